@@ -1,0 +1,42 @@
+#pragma once
+// Exact byte accounting for one runtime (one process group on one rank).
+//
+// Figures are bytes of tensor storage that the runtime owns or moves, counted
+// when it allocates, frees or communicates; nothing is sampled or estimated.
+// Communication volume is what this rank sends under a ring algorithm,
+// (W - 1) * shard bytes per collective for both all-gather and
+// reduce-scatter: the lower bound any algorithm needs. (Gloo's
+// reduce-scatter runs as an all-reduce and sends about twice that.)
+
+#include <cstdint>
+
+namespace sharc {
+
+struct MemoryStats {
+  int64_t shard_bytes = 0;           ///< this rank's parameter shards
+  int64_t gathered_bytes = 0;        ///< full buffers alive now
+  int64_t peak_gathered_bytes = 0;   ///< max of gathered_bytes since reset
+  int64_t allgather_bytes = 0;       ///< sent by all-gathers since reset
+  int64_t reduce_scatter_bytes = 0;  ///< sent by reduce-scatters since reset
+  int64_t allgather_calls = 0;       ///< all-gather collectives since reset
+  int64_t reduce_scatter_calls = 0;  ///< reduce-scatter collectives since reset
+};
+
+class MemoryAccounting {
+ public:
+  void add_shard(int64_t bytes);
+  void on_gathered(int64_t bytes);
+  /// Throws sharc::Error if more bytes are freed than are gathered.
+  void on_freed(int64_t bytes);
+  void on_allgather_sent(int64_t bytes);
+  void on_reduce_scatter_sent(int64_t bytes);
+  /// Zeroes the communication counters and sets the peak to the current level.
+  void reset();
+
+  const MemoryStats& stats() const { return stats_; }
+
+ private:
+  MemoryStats stats_;
+};
+
+}  // namespace sharc

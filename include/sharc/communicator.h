@@ -1,0 +1,44 @@
+#pragma once
+// The collectives sharc needs, over a c10d::ProcessGroup of any backend.
+//
+// The process group dispatches by tensor device (CPU tensors to gloo, CUDA
+// tensors to NCCL), so nothing here names a backend. Every call is
+// non-blocking: it returns the c10d::Work to wait on before the output is
+// read (on CUDA, Work::wait() orders the current stream after the
+// communication stream; on CPU it blocks the calling thread).
+
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace sharc {
+
+class Communicator {
+ public:
+  /// Resolves the group by the name c10d registered it under
+  /// (`ProcessGroup.group_name` in Python); throws if none is registered.
+  explicit Communicator(const std::string& group_name);
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  const std::string& group_name() const { return group_name_; }
+
+  /// Non-blocking. `out` holds world_size * shard.numel() elements and is
+  /// written in rank order.
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& out, at::Tensor& shard);
+
+  /// Non-blocking. Sums `in` (world_size * out.numel() elements) over the
+  /// group and leaves this rank's slice in `out`; `in` may be overwritten.
+  /// SUM, never AVG: some gloo releases silently treat AVG as SUM, so the
+  /// caller divides.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in);
+
+ private:
+  std::string group_name_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int64_t rank_ = 0;
+  int64_t world_size_ = 1;
+};
+
+}  // namespace sharc

@@ -1,0 +1,91 @@
+#pragma once
+// sharc's per-process-group state: the registry of sharded parameters, their
+// gathered buffers, and the byte accounting.
+//
+// One Runtime exists per process group in a process. It is owned through
+// c10::intrusive_ptr, reaches Python as torch.classes.sharc.Runtime, and the
+// torch.ops.sharc operators find it by the group's name (RuntimeTable).
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/Dict.h>
+#include <torch/custom_class.h>
+
+#include "sharc/accounting.h"
+#include "sharc/communicator.h"
+#include "sharc/layout.h"
+#include "sharc/param_state.h"
+
+namespace sharc {
+
+/// One sharded parameter: its true shape, layout, shard and gathered buffer.
+struct ShardedParam {
+  ShardedParam(std::string name, std::vector<int64_t> shape, ShardLayout layout,
+               at::Tensor shard);
+
+  std::string name;
+  std::vector<int64_t> shape;  ///< true (unsharded) shape
+  ShardLayout layout;
+  at::Tensor shard;  ///< this rank's flat shard (the user's nn.Parameter)
+  at::Tensor base;   ///< padded flat buffer; its storage holds 0 bytes unless gathered
+  ParamStateMachine state;
+  c10::intrusive_ptr<c10d::Work> pending;  ///< the gather in flight, if any
+
+  int64_t full_bytes() const;
+};
+
+class Runtime : public torch::CustomClassHolder {
+ public:
+  explicit Runtime(const std::string& group_name);
+
+  /// Registers `shard` (already this rank's padded slice) and returns its id.
+  /// Does not communicate.
+  int64_t register_param(at::Tensor shard, std::string name,
+                         std::vector<int64_t> shape);
+
+  /// Non-blocking: starts the all-gather of a sharded or released parameter.
+  void start_gather(int64_t id);
+  /// Blocks until the parameter is gathered (starting the gather if none is in
+  /// flight), takes one hold and returns the true-shape full view.
+  at::Tensor gather(int64_t id);
+  /// Drops one hold; the last one frees the buffer's bytes (not for
+  /// persistent parameters). Does not communicate.
+  void release(int64_t id);
+  /// Blocking: sums the full gradient over the group, divides by the world
+  /// size and returns this rank's flat shard of it.
+  at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);
+
+  /// Keep a parameter gathered at zero holds (selective unsharding).
+  void set_persistent(int64_t id, bool persistent);
+
+  /// The padded flat buffer (its storage holds 0 bytes while not gathered).
+  at::Tensor padded_base(int64_t id);
+  std::string state(int64_t id);
+  int64_t holds(int64_t id);
+  int64_t num_params();
+
+  c10::Dict<std::string, int64_t> stats();
+  void reset_stats();
+
+  int64_t rank() const { return comm_.rank(); }
+  int64_t world_size() const { return comm_.world_size(); }
+  const std::string& group_name() const { return comm_.group_name(); }
+  ShardLayout layout(int64_t id);
+
+ private:
+  ShardedParam& param(int64_t id);
+  void start_gather_locked(ShardedParam& p);
+  void finish_gather_locked(ShardedParam& p);
+  at::Tensor full_view(const ShardedParam& p) const;
+
+  Communicator comm_;
+  MemoryAccounting accounting_;
+  std::vector<std::unique_ptr<ShardedParam>> params_;
+  std::mutex mutex_;  // autograd may run backward on a worker thread
+};
+
+}  // namespace sharc

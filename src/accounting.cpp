@@ -1,0 +1,46 @@
+#include "sharc/accounting.h"
+
+#include <algorithm>
+
+#include "sharc/error.h"
+
+namespace sharc {
+
+void MemoryAccounting::add_shard(int64_t bytes) {
+  SHARC_CHECK(bytes >= 0, "shard bytes cannot be negative (", bytes, ")");
+  stats_.shard_bytes += bytes;
+}
+
+void MemoryAccounting::on_gathered(int64_t bytes) {
+  SHARC_CHECK(bytes >= 0, "gathered bytes cannot be negative (", bytes, ")");
+  stats_.gathered_bytes += bytes;
+  stats_.peak_gathered_bytes =
+      std::max(stats_.peak_gathered_bytes, stats_.gathered_bytes);
+}
+
+void MemoryAccounting::on_freed(int64_t bytes) {
+  SHARC_CHECK(bytes >= 0 && bytes <= stats_.gathered_bytes,
+              "sharc accounting: freeing ", bytes, " bytes but only ",
+              stats_.gathered_bytes, " are gathered");
+  stats_.gathered_bytes -= bytes;
+}
+
+void MemoryAccounting::on_allgather_sent(int64_t bytes) {
+  stats_.allgather_bytes += bytes;
+  ++stats_.allgather_calls;
+}
+
+void MemoryAccounting::on_reduce_scatter_sent(int64_t bytes) {
+  stats_.reduce_scatter_bytes += bytes;
+  ++stats_.reduce_scatter_calls;
+}
+
+void MemoryAccounting::reset() {
+  stats_.allgather_bytes = 0;
+  stats_.reduce_scatter_bytes = 0;
+  stats_.allgather_calls = 0;
+  stats_.reduce_scatter_calls = 0;
+  stats_.peak_gathered_bytes = stats_.gathered_bytes;
+}
+
+}  // namespace sharc

@@ -1,0 +1,41 @@
+#include "sharc/communicator.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/version.h>
+
+#include "sharc/error.h"
+
+namespace sharc {
+
+Communicator::Communicator(const std::string& group_name)
+    : group_name_(group_name) {
+  group_ = c10d::resolve_process_group(group_name);
+  SHARC_CHECK(group_, "sharc: no process group is registered under the name '",
+              group_name, "'");
+  rank_ = group_->getRank();
+  world_size_ = group_->getSize();
+}
+
+// torch 2.13 renamed the single-tensor collectives (the old names remain as
+// deprecated aliases); torch 2.11 only has the old names.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define SHARC_ALL_GATHER_SINGLE all_gather_single
+#define SHARC_REDUCE_SCATTER_SINGLE reduce_scatter_single
+#else
+#define SHARC_ALL_GATHER_SINGLE _allgather_base
+#define SHARC_REDUCE_SCATTER_SINGLE _reduce_scatter_base
+#endif
+
+c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& out,
+                                                        at::Tensor& shard) {
+  return group_->SHARC_ALL_GATHER_SINGLE(out, shard, c10d::AllgatherOptions());
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& out,
+                                                                at::Tensor& in) {
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return group_->SHARC_REDUCE_SCATTER_SINGLE(out, in, options);
+}
+
+}  // namespace sharc

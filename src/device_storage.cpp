@@ -1,0 +1,21 @@
+#include "sharc/device_storage.h"
+
+#include <c10/core/Allocator.h>
+
+namespace sharc {
+
+void allocate_storage(c10::Storage& storage, int64_t nbytes) {
+  c10::Allocator* allocator = storage.allocator();
+  if (allocator == nullptr) {
+    allocator = c10::GetAllocator(storage.device_type());
+  }
+  storage.set_data_ptr_noswap(allocator->allocate(nbytes));
+  storage.set_nbytes(nbytes);
+}
+
+void free_storage(c10::Storage& storage) {
+  storage.set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
+  storage.set_nbytes(0);
+}
+
+}  // namespace sharc

@@ -1,0 +1,114 @@
+// torch.ops.sharc.*: schemas, device kernels, meta kernels and autograd, side
+// by side.
+//
+//   gather(shard, shape, group, param) -> full
+//       Blocking all-gather of one parameter; takes one hold on its buffer and
+//       returns the true-shape full tensor (an alias of the runtime's buffer).
+//       Its gradient is reduce_scatter of the full gradient.
+//   reduce_scatter(grad, group, param) -> shard_grad
+//       Sum over the group, divided by the world size, this rank's flat slice.
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "sharc/runtime_table.h"
+
+namespace sharc {
+namespace {
+
+at::Tensor gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
+                         const std::string& group, int64_t param) {
+  (void)shard;  // the runtime reads its registered shard; `shard` carries autograd
+  (void)shape;
+  return RuntimeTable::instance().get(group)->gather(param);
+}
+
+at::Tensor gather_meta(const at::Tensor& shard, c10::IntArrayRef shape,
+                       const std::string& group, int64_t param) {
+  (void)group;
+  (void)param;
+  return at::empty(shape, shard.options().device(c10::kMeta));
+}
+
+at::Tensor reduce_scatter_kernel(const at::Tensor& grad, const std::string& group,
+                                 int64_t param) {
+  return RuntimeTable::instance().get(group)->reduce_scatter(param, grad);
+}
+
+at::Tensor reduce_scatter_meta(const at::Tensor& grad, const std::string& group,
+                               int64_t param) {
+  const ShardLayout layout = RuntimeTable::instance().get(group)->layout(param);
+  return at::empty({layout.shard_numel()}, grad.options().device(c10::kMeta));
+}
+
+at::Tensor call_gather(const at::Tensor& shard, c10::IntArrayRef shape,
+                       const std::string& group, int64_t param) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("sharc::gather", "")
+                       .typed<decltype(gather_kernel)>();
+  return op.call(shard, shape, group, param);
+}
+
+at::Tensor call_reduce_scatter(const at::Tensor& grad, const std::string& group,
+                               int64_t param) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("sharc::reduce_scatter", "")
+                       .typed<decltype(reduce_scatter_kernel)>();
+  return op.call(grad, group, param);
+}
+
+// d(full)/d(shard): the full gradient, summed over ranks and averaged, lands
+// in the owning rank's shard; autograd accumulates it into shard.grad.
+class GatherFunction : public torch::autograd::Function<GatherFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx,
+                            const at::Tensor& shard, c10::IntArrayRef shape,
+                            const std::string& group, int64_t param) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["param"] = param;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_gather(shard, shape, group, param);
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    const std::string group = ctx->saved_data["group"].toStringRef();
+    const int64_t param = ctx->saved_data["param"].toInt();
+    at::Tensor shard_grad = call_reduce_scatter(grads[0], group, param);
+    return {shard_grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
+                           const std::string& group, int64_t param) {
+  return GatherFunction::apply(shard, shape, group, param);
+}
+
+}  // namespace
+}  // namespace sharc
+
+TORCH_LIBRARY(sharc, m) {
+  m.def("gather(Tensor shard, int[] shape, str group, int param) -> Tensor");
+  m.def("reduce_scatter(Tensor grad, str group, int param) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sharc, CPU, m) {
+  m.impl("gather", sharc::gather_kernel);
+  m.impl("reduce_scatter", sharc::reduce_scatter_kernel);
+}
+
+TORCH_LIBRARY_IMPL(sharc, CUDA, m) {
+  m.impl("gather", sharc::gather_kernel);
+  m.impl("reduce_scatter", sharc::reduce_scatter_kernel);
+}
+
+TORCH_LIBRARY_IMPL(sharc, Meta, m) {
+  m.impl("gather", sharc::gather_meta);
+  m.impl("reduce_scatter", sharc::reduce_scatter_meta);
+}
+
+TORCH_LIBRARY_IMPL(sharc, Autograd, m) {
+  m.impl("gather", sharc::gather_autograd);
+}

@@ -1,0 +1,201 @@
+#include "sharc/runtime.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include "sharc/device_storage.h"
+#include "sharc/error.h"
+
+namespace sharc {
+
+namespace {
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    SHARC_CHECK(d >= 0, "a parameter dimension cannot be negative (", d, ")");
+    n *= d;
+  }
+  return n;
+}
+}  // namespace
+
+ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
+                           ShardLayout layout_, at::Tensor shard_)
+    : name(std::move(name_)),
+      shape(std::move(shape_)),
+      layout(layout_),
+      shard(std::move(shard_)),
+      state(name) {
+  base = at::empty({layout.padded_numel()}, shard.options());
+  c10::Storage storage = base.storage();
+  free_storage(storage);
+}
+
+int64_t ShardedParam::full_bytes() const {
+  return layout.padded_numel() * static_cast<int64_t>(shard.element_size());
+}
+
+Runtime::Runtime(const std::string& group_name) : comm_(group_name) {}
+
+int64_t Runtime::register_param(at::Tensor shard, std::string name,
+                                std::vector<int64_t> shape) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto layout =
+      ShardLayout::make(numel_of(shape), comm_.world_size(), comm_.rank());
+  SHARC_CHECK(shard.dim() == 1 && shard.numel() == layout.shard_numel(),
+              "sharc: shard of '", name, "' must be flat with ",
+              layout.shard_numel(), " elements, got shape ", shard.sizes());
+  SHARC_CHECK(shard.is_contiguous(), "sharc: shard of '", name,
+              "' must be contiguous");
+  accounting_.add_shard(shard.numel() * static_cast<int64_t>(shard.element_size()));
+  params_.push_back(std::make_unique<ShardedParam>(std::move(name), std::move(shape),
+                                                   layout, std::move(shard)));
+  return static_cast<int64_t>(params_.size()) - 1;
+}
+
+ShardedParam& Runtime::param(int64_t id) {
+  SHARC_CHECK(id >= 0 && id < static_cast<int64_t>(params_.size()),
+              "sharc: no parameter with id ", id, " in group '",
+              comm_.group_name(), "' (", params_.size(), " registered)");
+  return *params_[id];
+}
+
+void Runtime::start_gather_locked(ShardedParam& p) {
+  RECORD_FUNCTION("sharc::all_gather", std::vector<c10::IValue>());
+  p.state.begin_gather();
+  c10::Storage storage = p.base.storage();
+  allocate_storage(storage, p.full_bytes());
+  accounting_.on_gathered(p.full_bytes());
+  if (p.layout.padded_numel() == 0) {
+    return;  // zero-size parameter: nothing to communicate
+  }
+  at::Tensor input = p.shard.detach();
+  p.pending = comm_.all_gather(p.base, input);
+  const int64_t shard_bytes = p.full_bytes() / comm_.world_size();
+  accounting_.on_allgather_sent((comm_.world_size() - 1) * shard_bytes);
+}
+
+void Runtime::finish_gather_locked(ShardedParam& p) {
+  if (p.pending) {
+    RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
+    p.pending->wait();
+    p.pending.reset();
+  }
+  p.state.finish_gather();
+}
+
+void Runtime::start_gather(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  start_gather_locked(param(id));
+}
+
+at::Tensor Runtime::gather(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ShardedParam& p = param(id);
+  if (p.state.state() == ParamState::Sharded ||
+      p.state.state() == ParamState::Released) {
+    start_gather_locked(p);
+  }
+  if (p.state.state() == ParamState::Gathering) {
+    finish_gather_locked(p);
+  }
+  p.state.acquire();
+  return full_view(p);
+}
+
+void Runtime::release(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
+  ShardedParam& p = param(id);
+  if (p.state.release()) {
+    c10::Storage storage = p.base.storage();
+    free_storage(storage);
+    accounting_.on_freed(p.full_bytes());
+  }
+}
+
+at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
+  RECORD_FUNCTION("sharc::reduce_scatter", std::vector<c10::IValue>());
+  ShardLayout layout;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ShardedParam& p = param(id);
+    SHARC_CHECK(full_grad.numel() == p.layout.numel, "sharc: gradient of '",
+                p.name, "' has ", full_grad.numel(), " elements, expected ",
+                p.layout.numel);
+    layout = p.layout;
+  }
+  // The collective may overwrite its input (gloo reduces in place), so the
+  // padded input is always a buffer of our own.
+  at::Tensor padded = at::empty({layout.padded_numel()}, full_grad.options());
+  padded.narrow(0, 0, layout.numel).copy_(full_grad.reshape({-1}));
+  padded.narrow(0, layout.numel, layout.padding()).zero_();
+  at::Tensor out = at::empty({layout.shard_numel()}, full_grad.options());
+  if (layout.padded_numel() > 0) {
+    comm_.reduce_scatter_sum(out, padded)->wait();
+    out.div_(comm_.world_size());
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  accounting_.on_reduce_scatter_sent((comm_.world_size() - 1) * out.numel() *
+                                     static_cast<int64_t>(out.element_size()));
+  return out;
+}
+
+at::Tensor Runtime::full_view(const ShardedParam& p) const {
+  // A plain tensor over the base storage (not an autograd view of `base`):
+  // it stays a true-shape alias whose bytes vanish when the base is freed.
+  at::Tensor view = at::empty({0}, p.base.options());
+  view.set_(p.base.storage(), 0, p.shape, c10::contiguous_strides(p.shape));
+  return view;
+}
+
+void Runtime::set_persistent(int64_t id, bool persistent) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  param(id).state.set_persistent(persistent);
+}
+
+at::Tensor Runtime::padded_base(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).base;
+}
+
+std::string Runtime::state(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return to_string(param(id).state.state());
+}
+
+int64_t Runtime::holds(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).state.holds();
+}
+
+int64_t Runtime::num_params() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(params_.size());
+}
+
+ShardLayout Runtime::layout(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).layout;
+}
+
+c10::Dict<std::string, int64_t> Runtime::stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const MemoryStats& s = accounting_.stats();
+  c10::Dict<std::string, int64_t> out;
+  out.insert("shard_bytes", s.shard_bytes);
+  out.insert("gathered_bytes", s.gathered_bytes);
+  out.insert("peak_gathered_bytes", s.peak_gathered_bytes);
+  out.insert("allgather_bytes", s.allgather_bytes);
+  out.insert("reduce_scatter_bytes", s.reduce_scatter_bytes);
+  out.insert("allgather_calls", s.allgather_calls);
+  out.insert("reduce_scatter_calls", s.reduce_scatter_calls);
+  return out;
+}
+
+void Runtime::reset_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  accounting_.reset();
+}
+
+}  // namespace sharc

@@ -1,0 +1,52 @@
+// torch.classes.sharc.Runtime: the Python face of a group's Runtime.
+//
+// Python obtains the group's Runtime with Runtime.for_group(name) and drives
+// registration, eager release and statistics through it; everything else
+// goes through torch.ops.sharc operators.
+
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "sharc/runtime_table.h"
+
+namespace sharc {
+namespace {
+
+c10::intrusive_ptr<Runtime> for_group(std::string group_name) {
+  return RuntimeTable::instance().get_or_create(group_name);
+}
+
+void forget_group(std::string group_name) {
+  RuntimeTable::instance().forget(group_name);
+}
+
+std::vector<int64_t> layout_of(const c10::intrusive_ptr<Runtime>& self, int64_t id) {
+  const ShardLayout l = self->layout(id);
+  return {l.numel, l.shard_numel(), l.padded_numel(), l.shard_offset(),
+          l.valid_numel()};
+}
+
+}  // namespace
+}  // namespace sharc
+
+TORCH_LIBRARY_FRAGMENT(sharc, m) {
+  m.class_<sharc::Runtime>("Runtime")
+      .def_static("for_group", &sharc::for_group)
+      .def_static("forget_group", &sharc::forget_group)
+      .def("register_param", &sharc::Runtime::register_param)
+      .def("start_gather", &sharc::Runtime::start_gather)
+      .def("gather", &sharc::Runtime::gather)
+      .def("release", &sharc::Runtime::release)
+      .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
+      .def("set_persistent", &sharc::Runtime::set_persistent)
+      .def("padded_base", &sharc::Runtime::padded_base)
+      .def("state", &sharc::Runtime::state)
+      .def("holds", &sharc::Runtime::holds)
+      .def("num_params", &sharc::Runtime::num_params)
+      .def("stats", &sharc::Runtime::stats)
+      .def("reset_stats", &sharc::Runtime::reset_stats)
+      .def("rank", [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->rank(); })
+      .def("world_size",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->world_size(); })
+      .def("layout", &sharc::layout_of);
+}

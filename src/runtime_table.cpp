@@ -1,0 +1,34 @@
+#include "sharc/runtime_table.h"
+
+#include "sharc/error.h"
+
+namespace sharc {
+
+RuntimeTable& RuntimeTable::instance() {
+  static RuntimeTable table;
+  return table;
+}
+
+c10::intrusive_ptr<Runtime> RuntimeTable::get_or_create(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = runtimes_.find(group_name);
+  if (it == runtimes_.end()) {
+    it = runtimes_.emplace(group_name, c10::make_intrusive<Runtime>(group_name)).first;
+  }
+  return it->second;
+}
+
+c10::intrusive_ptr<Runtime> RuntimeTable::get(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = runtimes_.find(group_name);
+  SHARC_CHECK(it != runtimes_.end(), "sharc: no runtime for process group '",
+              group_name, "'; call sharc.shard(module, group) first");
+  return it->second;
+}
+
+void RuntimeTable::forget(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  runtimes_.erase(group_name);
+}
+
+}  // namespace sharc
