@@ -8,17 +8,6 @@
 
 namespace sharc {
 
-namespace {
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    SHARC_CHECK(d >= 0, "a parameter dimension cannot be negative (", d, ")");
-    n *= d;
-  }
-  return n;
-}
-}  // namespace
-
 ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
                            ShardLayout layout_, at::Tensor shard_)
     : name(std::move(name_)),
@@ -37,20 +26,42 @@ int64_t ShardedParam::full_bytes() const {
 
 Runtime::Runtime(const std::string& group_name) : comm_(group_name) {}
 
-int64_t Runtime::register_param(at::Tensor shard, std::string name,
-                                std::vector<int64_t> shape) {
+namespace {
+// This rank's slice of `full`, flattened and zero-padded as `layout` says.
+at::Tensor cut_shard(const at::Tensor& full, const ShardLayout& layout) {
+  at::Tensor shard = at::zeros({layout.shard_numel()}, full.options());
+  if (layout.valid_numel() > 0) {
+    shard.narrow(0, 0, layout.valid_numel())
+        .copy_(full.reshape({-1}).narrow(0, layout.shard_offset(), layout.valid_numel()));
+  }
+  return shard;
+}
+}  // namespace
+
+int64_t Runtime::register_param(const at::Tensor& full, std::string name) {
   std::lock_guard<std::mutex> lock(mutex_);
+  const std::vector<int64_t> shape = full.sizes().vec();
   const auto layout =
-      ShardLayout::make(numel_of(shape), comm_.world_size(), comm_.rank());
-  SHARC_CHECK(shard.dim() == 1 && shard.numel() == layout.shard_numel(),
-              "sharc: shard of '", name, "' must be flat with ",
-              layout.shard_numel(), " elements, got shape ", shard.sizes());
-  SHARC_CHECK(shard.is_contiguous(), "sharc: shard of '", name,
-              "' must be contiguous");
+      ShardLayout::make(full.numel(), comm_.world_size(), comm_.rank());
+  at::Tensor shard = cut_shard(full.detach(), layout);
   accounting_.add_shard(shard.numel() * static_cast<int64_t>(shard.element_size()));
-  params_.push_back(std::make_unique<ShardedParam>(std::move(name), std::move(shape),
+  params_.push_back(std::make_unique<ShardedParam>(std::move(name), shape,
                                                    layout, std::move(shard)));
   return static_cast<int64_t>(params_.size()) - 1;
+}
+
+at::Tensor Runtime::shard(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).shard;
+}
+
+void Runtime::load_full(int64_t id, const at::Tensor& full) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ShardedParam& p = param(id);
+  SHARC_CHECK(full.sizes().vec() == p.shape, "sharc: cannot load a tensor of shape ",
+              full.sizes(), " into '", p.name, "' of shape ", c10::IntArrayRef(p.shape));
+  at::NoGradGuard no_grad;
+  p.shard.copy_(cut_shard(full.detach().to(p.shard.options()), p.layout));
 }
 
 ShardedParam& Runtime::param(int64_t id) {

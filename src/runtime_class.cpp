@@ -34,6 +34,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_static("for_group", &sharc::for_group)
       .def_static("forget_group", &sharc::forget_group)
       .def("register_param", &sharc::Runtime::register_param)
+      .def("shard", &sharc::Runtime::shard)
+      .def("load_full", &sharc::Runtime::load_full)
       .def("start_gather", &sharc::Runtime::start_gather)
       .def("gather", &sharc::Runtime::gather)
       .def("release", &sharc::Runtime::release)

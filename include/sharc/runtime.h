@@ -42,10 +42,15 @@ class Runtime : public torch::CustomClassHolder {
  public:
   explicit Runtime(const std::string& group_name);
 
-  /// Registers `shard` (already this rank's padded slice) and returns its id.
-  /// Does not communicate.
-  int64_t register_param(at::Tensor shard, std::string name,
-                         std::vector<int64_t> shape);
+  /// Registers a parameter from its full value (identical on every rank) and
+  /// returns its id. Cuts this rank's padded flat shard (see ShardLayout);
+  /// `shard(id)` returns it. Does not communicate.
+  int64_t register_param(const at::Tensor& full, std::string name);
+  /// This rank's flat shard of a parameter: the tensor that sharc.shard()
+  /// wraps as the module's nn.Parameter, so optimizer updates reach gathers.
+  at::Tensor shard(int64_t id);
+  /// Copies this rank's slice of `full` (the true-shape value) into the shard.
+  void load_full(int64_t id, const at::Tensor& full);
 
   /// Non-blocking: starts the all-gather of a sharded or released parameter.
   void start_gather(int64_t id);

@@ -1,0 +1,130 @@
+"""When gathered parameters live, for code that no compiled graph covers.
+
+[Note: eager schedule]
+Forward. Each module that owns sharded parameters (and the root module) opens
+a *scope* for the length of its forward. Reading `module.weight` inside a
+scope gathers the parameter (one hold on its runtime buffer) and caches the
+full tensor in the innermost scope, so repeated reads in one forward share one
+gather; closing the scope drops the holds. Tied parameters and parameters read
+by several modules are gathered once per reading scope and freed when the last
+hold goes. A read outside every scope (user code between steps) returns a
+copy and releases at once, so nothing stays gathered behind the user's back.
+
+Backward. While any scope is open, saved-tensor hooks replace every saved
+tensor that lives in a gathered buffer by a handle (parameter, size, stride,
+offset). Unpacking a handle in backward gathers the parameter again (once per
+backward pass) and rebuilds the view. The backward hold is dropped when the
+gather's own backward (its reduce-scatter) has run, which autograd orders after
+every node that used the parameter, or at the end of the backward pass for
+parameters without gradients. Nothing full-size therefore survives from
+forward to backward, and several backward passes over one forward
+(retain_graph=True) each gather what they need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharc._param_ref import ShardedParamRef
+
+
+class _SavedParam:
+    """A saved tensor that lives in a gathered buffer, kept as a handle."""
+
+    __slots__ = ("ref", "size", "stride", "offset")
+
+    def __init__(self, ref: ShardedParamRef, t: torch.Tensor):
+        self.ref = ref
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+
+class _Scope:
+    __slots__ = ("full",)
+
+    def __init__(self) -> None:
+        self.full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
+
+
+class EagerSchedule:
+    """Gather/release policy for one sharded root module (see the note above)."""
+
+    def __init__(self, refs: list[ShardedParamRef]):
+        self._scopes: list[_Scope] = []
+        self._saved_hooks = None
+        # Base storages are owned by the runtime for the life of the module,
+        # so their addresses identify parameters without reuse.
+        self._by_storage = {
+            r.runtime.padded_base(r.pid).untyped_storage()._cdata: r for r in refs}
+        self._backward_full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
+        self._end_of_backward_queued = False
+
+    # -- forward scopes -------------------------------------------------
+    def enter_scope(self) -> None:
+        if not self._scopes:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        self._scopes.append(_Scope())
+
+    def exit_scope(self) -> None:
+        scope = self._scopes.pop()
+        for ref, _ in scope.full.values():
+            ref.runtime.release(ref.pid)
+        scope.full.clear()
+        if not self._scopes:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+
+    def read(self, ref: ShardedParamRef) -> torch.Tensor:
+        """The full tensor for `module.<name>`."""
+        if not self._scopes:
+            full = ref.gather_op()
+            copy = full.clone()
+            ref.runtime.release(ref.pid)
+            return copy
+        scope = self._scopes[-1]
+        cached = scope.full.get(ref.pid)
+        if cached is not None:
+            return cached[1]
+        full = ref.gather_op()
+        scope.full[ref.pid] = (ref, full)
+        if full.grad_fn is not None:
+            full.grad_fn.register_hook(lambda *_: self._release_backward(ref.pid))
+        return full
+
+    # -- backward -------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        ref = self._by_storage.get(t.untyped_storage()._cdata)
+        return t if ref is None else _SavedParam(ref, t)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParam):
+            return saved
+        full = self._gather_for_backward(saved.ref)
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _gather_for_backward(self, ref: ShardedParamRef) -> torch.Tensor:
+        entry = self._backward_full.get(ref.pid)
+        if entry is None:
+            entry = (ref, ref.runtime.gather(ref.pid))
+            self._backward_full[ref.pid] = entry
+            self._queue_end_of_backward()
+        return entry[1]
+
+    def _release_backward(self, pid: int) -> None:
+        entry = self._backward_full.pop(pid, None)
+        if entry is not None:
+            entry[0].runtime.release(pid)
+
+    def _queue_end_of_backward(self) -> None:
+        if self._end_of_backward_queued:
+            return
+        self._end_of_backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        for pid in list(self._backward_full):
+            self._release_backward(pid)

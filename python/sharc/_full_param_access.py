@@ -1,0 +1,41 @@
+"""`module.weight` yields the full parameter while `module._parameters`
+holds the flat shard.
+
+Each module that owns sharded parameters is moved to a subclass of its own
+class with one property per sharded name. A property on the class wins over
+nn.Module's attribute lookup, so forward code reads the full tensor, while
+`parameters()`, `state_dict()` and optimizers see the shard under the
+original name.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sharc._param_ref import ShardedParamRef
+
+
+def _full_param_property(name: str) -> property:
+    def get(module: torch.nn.Module) -> torch.Tensor:
+        ref = module._sharc_refs[name]
+        if torch.compiler.is_compiling():
+            return ref.gather_op()
+        return module._sharc_schedule.read(ref)
+
+    return property(get, doc=f"The full (gathered) parameter '{name}'.")
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    attrs = {name: _full_param_property(name) for name in names}
+    attrs["_sharc_original_class"] = cls
+    return type(f"Sharded{cls.__name__}", (cls,), attrs)
+
+
+def install(module: torch.nn.Module, refs: dict[str, ShardedParamRef], schedule) -> None:
+    """Makes `module.<name>` return the full parameter for every name in refs."""
+    object.__setattr__(module, "_sharc_refs", refs)
+    object.__setattr__(module, "_sharc_schedule", schedule)
+    module.__class__ = _sharded_class(type(module), tuple(sorted(refs)))

@@ -1,0 +1,93 @@
+"""Checks that shard() runs before it changes anything, each failing with a
+message that says what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Device types each c10d backend can communicate.
+_BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "mpi": {"cpu", "cuda"}}
+
+
+def check_group(group) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "sharc.shard() needs an initialized torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first, or start the ranks with "
+            "`python -m sharc.train` / torchrun")
+    return group if group is not None else dist.group.WORLD
+
+
+def check_not_sharded(module: torch.nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if hasattr(sub, "_sharc_refs") or hasattr(sub, "_sharc_root"):
+            where = f"its submodule '{name}'" if name else "it"
+            raise RuntimeError(
+                f"sharc.shard() was already called on this module ({where} is sharded); "
+                "shard a module once, before creating its optimizer")
+
+
+def _backend_devices(group) -> set[str]:
+    backend = str(dist.get_backend(group)).lower()
+    devices: set[str] = set()
+    for part in backend.split(","):  # "cpu:gloo,cuda:nccl" or "gloo"
+        if ":" in part:
+            device, name = part.split(":", 1)
+            if name in _BACKEND_DEVICES:
+                devices.add(device)
+        else:
+            devices |= _BACKEND_DEVICES.get(part, {"cpu", "cuda"})
+    return devices
+
+
+def check_devices(module: torch.nn.Module, group) -> None:
+    supported = _backend_devices(group)
+    for name, p in module.named_parameters():
+        if p.device.type not in supported:
+            raise RuntimeError(
+                f"parameter '{name}' is on device '{p.device}', but the process group's "
+                f"backend '{dist.get_backend(group)}' communicates only {sorted(supported)} "
+                "tensors: move the module to a matching device (e.g. .cpu() for gloo, "
+                ".cuda() for nccl) or use a group with a matching backend")
+
+
+def _signature(named_params, checksum: bool) -> list[tuple]:
+    sig = []
+    for fqn, p in named_params:
+        value = float(p.detach().double().sum()) if checksum and p.numel() else 0.0
+        sig.append((fqn, tuple(p.shape), str(p.dtype), value))
+    return sig
+
+
+def check_replicas(named_params: list[tuple[str, torch.Tensor]], group,
+                   check_values: bool) -> None:
+    """One collective: every rank must hold the same parameters."""
+    world = dist.get_world_size(group)
+    sigs: list = [None] * world
+    dist.all_gather_object(sigs, _signature(named_params, check_values), group=group)
+    ref = sigs[0]
+    for rank, sig in enumerate(sigs[1:], start=1):
+        if len(sig) != len(ref):
+            raise RuntimeError(
+                f"ranks hold different models: rank 0 has {len(ref)} parameters, rank "
+                f"{rank} has {len(sig)}; build the same model on every rank before shard()")
+        for (n0, s0, d0, v0), (n1, s1, d1, v1) in zip(ref, sig):
+            _compare(rank, n0, s0, d0, v0, n1, s1, d1, v1)
+
+
+def _compare(rank, n0, s0, d0, v0, n1, s1, d1, v1) -> None:
+    if n0 != n1:
+        raise RuntimeError(f"ranks hold different models: parameter '{n0}' on rank 0 "
+                           f"is '{n1}' on rank {rank}; build the same model on every rank")
+    if s0 != s1:
+        raise RuntimeError(f"parameter '{n0}' has shape {s0} on rank 0 but {s1} on rank "
+                           f"{rank}; build the same model on every rank")
+    if d0 != d1:
+        raise RuntimeError(f"parameter '{n0}' has dtype {d0} on rank 0 but {d1} on rank "
+                           f"{rank}; build the same model on every rank")
+    if v0 != v1:
+        raise RuntimeError(
+            f"parameter '{n0}' has different values on rank 0 and rank {rank}: seed every "
+            "rank identically before building the model (or load a checkpoint after "
+            "shard()), or pass ShardConfig(verify_replicas=False) if this is intended")

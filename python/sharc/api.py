@@ -1,0 +1,99 @@
+"""sharc.shard() and the per-rank memory figures."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sharc import _full_param_access, _validate
+from sharc._eager_schedule import EagerSchedule
+from sharc._library import Runtime
+from sharc._param_ref import ShardedParamRef
+from sharc.config import ShardConfig
+
+
+def _owned_params(module: torch.nn.Module):
+    """(submodule, local name, parameter) for every place a parameter is held,
+    tied parameters once per owning module."""
+    for _, sub in module.named_modules():
+        for local, p in sub._parameters.items():
+            if p is not None:
+                yield sub, local, p
+
+
+def _runtime(group) -> Runtime:
+    return Runtime.for_group(group.group_name)
+
+
+def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = None):
+    """Shards `module`'s parameters over `group` (default: the world), in place.
+
+    Afterwards `module.parameters()` yields each rank's flat, padded shard, so
+    any optimizer updates sharded state; forward code is unchanged, each
+    parameter read yielding the gathered full tensor. Tied parameters stay
+    tied, frozen parameters are sharded and never reduced, buffers stay
+    replicated. Collective: every rank of the group must call it.
+    """
+    config = config or ShardConfig()
+    group = _validate.check_group(group)
+    _validate.check_not_sharded(module)
+    _validate.check_devices(module, group)
+    named = list(module.named_parameters())  # unique parameters, canonical names
+    if dist.get_world_size(group) > 1:
+        _validate.check_replicas(named, group, config.verify_replicas)
+
+    runtime = _runtime(group)
+    refs_by_param = _register(runtime, group.group_name, named)
+    schedule = EagerSchedule(list(refs_by_param.values()))
+    per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
+    for sub, local, p in _owned_params(module):
+        ref = refs_by_param[p]
+        sub._parameters[local] = ref.shard
+        per_module.setdefault(sub, {})[local] = ref
+    for sub, refs in per_module.items():
+        _full_param_access.install(sub, refs, schedule)
+    for sub in set(per_module) | {module}:
+        sub.register_forward_pre_hook(lambda *_: schedule.enter_scope())
+        sub.register_forward_hook(lambda *_: schedule.exit_scope(), always_call=True)
+    object.__setattr__(module, "_sharc_root", _ShardedRoot(group, runtime, refs_by_param))
+    return module
+
+
+def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, ShardedParamRef]:
+    refs = {}
+    for fqn, p in named:
+        pid = runtime.register_param(p.detach(), fqn)
+        shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
+        refs[p] = ShardedParamRef(runtime, group_name, pid, fqn, tuple(p.shape), shard)
+    return refs
+
+
+class _ShardedRoot:
+    """What shard() leaves on the root module for the checkpoint helpers."""
+
+    def __init__(self, group, runtime, refs_by_param):
+        self.group = group
+        self.runtime = runtime
+        self.refs_by_shard = {id(ref.shard): ref for ref in refs_by_param.values()}
+
+
+def sharded_root(module: torch.nn.Module) -> _ShardedRoot:
+    root = getattr(module, "_sharc_root", None)
+    if root is None:
+        raise RuntimeError("this module is not sharded: call sharc.shard(module) first")
+    return root
+
+
+def memory_stats(group=None) -> dict[str, int]:
+    """This rank's exact byte figures for `group` (default: the world):
+    shard_bytes, gathered_bytes, peak_gathered_bytes, allgather_bytes,
+    reduce_scatter_bytes (sent since the last reset) and collective counts."""
+    group = _validate.check_group(group)
+    return dict(_runtime(group).stats())
+
+
+def reset_memory_stats(group=None) -> None:
+    """Zeroes the communication counters and resets the peak to the bytes
+    gathered now."""
+    group = _validate.check_group(group)
+    _runtime(group).reset_stats()

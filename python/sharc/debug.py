@@ -1,0 +1,34 @@
+"""Debug mode: reading a released parameter raises instead of crashing.
+
+A released buffer keeps its shape but holds 0 bytes, so a stale reference to
+a gathered parameter read after release would read freed memory. Inside
+`released_reads_raise()` every operator first checks its tensor arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class ReleasedParameterRead(RuntimeError):
+    pass
+
+
+class released_reads_raise(TorchDispatchMode):
+    """Context manager: raise ReleasedParameterRead when an operator reads a
+    tensor whose storage has been released (slow; for debugging)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() > 0:
+                needed = (t.storage_offset() + 1 + sum(
+                    (s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
+                if t.untyped_storage().nbytes() < needed:
+                    raise ReleasedParameterRead(
+                        f"{func} read a tensor of shape {tuple(t.shape)} whose storage was "
+                        "released by sharc: a parameter gathered earlier was kept past its "
+                        "release; read the module attribute again instead of keeping it")
+        return func(*args, **kwargs)

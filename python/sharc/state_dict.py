@@ -1,0 +1,53 @@
+"""Unsharded checkpoints: full tensors under the original names."""
+
+from __future__ import annotations
+
+import torch
+
+from sharc.api import sharded_root
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict with every parameter gathered to its true shape
+    (on every rank). Collective: every rank must call it. Tied parameters
+    appear under each of their names, as in nn.Module.state_dict()."""
+    root = sharded_root(module)
+    gathered: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        ref = root.refs_by_shard.get(id(value))
+        if ref is None:
+            out[name] = value.detach().clone()
+            continue
+        if ref.pid not in gathered:
+            full = root.runtime.gather(ref.pid)
+            gathered[ref.pid] = full.clone()
+            root.runtime.release(ref.pid)
+        out[name] = gathered[ref.pid]
+    return out
+
+
+def load_full_state_dict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Loads an unsharded state dict: each rank keeps its slice of every
+    parameter and a copy of every buffer. Raises on missing or unexpected keys
+    and on shape mismatches before changing anything. Not collective."""
+    root = sharded_root(module)
+    own = module.state_dict(keep_vars=True)
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
+                       f"{unexpected}")
+    for name, value in own.items():
+        ref = root.refs_by_shard.get(id(value))
+        shape = ref.shape if ref is not None else tuple(value.shape)
+        if tuple(state_dict[name].shape) != shape:
+            raise ValueError(f"load_full_state_dict: '{name}' has shape "
+                             f"{tuple(state_dict[name].shape)}, the module expects {shape}")
+    with torch.no_grad():
+        for name, value in own.items():
+            ref = root.refs_by_shard.get(id(value))
+            if ref is None:
+                value.copy_(state_dict[name])
+            else:
+                root.runtime.load_full(ref.pid, state_dict[name])

@@ -1,0 +1,56 @@
+#include <gtest/gtest.h>
+
+#include "sharc/accounting.h"
+#include "sharc/error.h"
+
+namespace sharc {
+namespace {
+
+TEST(MemoryAccounting, TracksGatheredAndPeak) {
+  MemoryAccounting a;
+  a.add_shard(100);
+  a.on_gathered(400);
+  a.on_gathered(200);
+  EXPECT_EQ(a.stats().gathered_bytes, 600);
+  a.on_freed(400);
+  a.on_gathered(100);
+  EXPECT_EQ(a.stats().gathered_bytes, 300);
+  EXPECT_EQ(a.stats().peak_gathered_bytes, 600);
+  EXPECT_EQ(a.stats().shard_bytes, 100);
+}
+
+TEST(MemoryAccounting, ResetKeepsLiveBytesAndClearsCounters) {
+  MemoryAccounting a;
+  a.on_gathered(500);
+  a.on_freed(300);
+  a.on_allgather_sent(64);
+  a.on_reduce_scatter_sent(32);
+  a.reset();
+  EXPECT_EQ(a.stats().gathered_bytes, 200);
+  EXPECT_EQ(a.stats().peak_gathered_bytes, 200);
+  EXPECT_EQ(a.stats().allgather_bytes, 0);
+  EXPECT_EQ(a.stats().reduce_scatter_bytes, 0);
+  EXPECT_EQ(a.stats().allgather_calls, 0);
+}
+
+TEST(MemoryAccounting, CountsCommunication) {
+  MemoryAccounting a;
+  a.on_allgather_sent(10);
+  a.on_allgather_sent(20);
+  a.on_reduce_scatter_sent(5);
+  EXPECT_EQ(a.stats().allgather_bytes, 30);
+  EXPECT_EQ(a.stats().allgather_calls, 2);
+  EXPECT_EQ(a.stats().reduce_scatter_bytes, 5);
+  EXPECT_EQ(a.stats().reduce_scatter_calls, 1);
+}
+
+TEST(MemoryAccounting, FreeingMoreThanGatheredIsAnError) {
+  MemoryAccounting a;
+  a.on_gathered(10);
+  EXPECT_THROW(a.on_freed(11), Error);
+  EXPECT_THROW(a.on_gathered(-1), Error);
+  EXPECT_THROW(a.add_shard(-1), Error);
+}
+
+}  // namespace
+}  // namespace sharc

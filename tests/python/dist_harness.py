@@ -1,0 +1,86 @@
+"""Runs a function on N real gloo ranks (separate processes) and returns each
+rank's result, re-raising the first rank's error with its traceback.
+
+A rank that neither returns nor fails within `timeout` seconds fails the test
+(all ranks are killed), so a hang never stalls the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, init_file, conn, args, init_group):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_group:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}",
+                                    rank=rank, world_size=world_size)
+        conn.send(("ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001  (report everything to the parent)
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if init_group and dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool = True):
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        pipes, procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main,
+                            args=(fn, rank, world_size, init_file, child, args, init_group))
+            p.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(p)
+        try:
+            return _collect(pipes, procs, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+
+def _collect(pipes, procs, timeout):
+    import time
+
+    deadline = time.monotonic() + timeout
+    results = []
+    for rank, (conn, proc) in enumerate(zip(pipes, procs)):
+        remaining = max(0.0, deadline - time.monotonic())
+        if not conn.poll(remaining):
+            raise RankFailure(f"rank {rank} gave no result within {timeout}s "
+                              f"(alive={proc.is_alive()}, exitcode={proc.exitcode})")
+        try:
+            status, value = conn.recv()
+        except EOFError:
+            proc.join(5)
+            raise RankFailure(f"rank {rank} died (exit code {proc.exitcode})") from None
+        if status == "error":
+            raise RankFailure(f"rank {rank} failed:\n{value}")
+        results.append(value)
+    return results
