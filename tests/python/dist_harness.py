@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
+import pickle
 import tempfile
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank, world_size, init_file, conn, args, init_group):
@@ -30,9 +25,11 @@ def _rank_main(fn, rank, world_size, init_file, conn, args, init_group):
         if init_group:
             dist.init_process_group("gloo", init_method=f"file://{init_file}",
                                     rank=rank, world_size=world_size)
-        conn.send(("ok", fn(rank, world_size, *args)))
+        # Plain pickle: torch's multiprocessing reducers would share tensors
+        # through file descriptors that vanish when this process exits.
+        conn.send_bytes(pickle.dumps(("ok", fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001  (report everything to the parent)
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         if init_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -76,7 +73,7 @@ def _collect(pipes, procs, timeout):
             raise RankFailure(f"rank {rank} gave no result within {timeout}s "
                               f"(alive={proc.is_alive()}, exitcode={proc.exitcode})")
         try:
-            status, value = conn.recv()
+            status, value = pickle.loads(conn.recv_bytes())
         except EOFError:
             proc.join(5)
             raise RankFailure(f"rank {rank} died (exit code {proc.exitcode})") from None

@@ -1,0 +1,68 @@
+"""Models and single-process references shared by the tests."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sharc.data import CharDataset
+from sharc.models.gpt import GPT, GPTConfig
+
+
+class ParityGPT(GPT):
+    """The GPT with every layout edge case the parity tests must cover:
+    an output head tied to the embedding, a head bias of 65 elements (not
+    divisible by 2 or 4), a 0-dim temperature (fewer elements than ranks), a
+    zero-size parameter, a frozen parameter (position embedding) and buffers
+    (the causal masks)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg)
+        self.temperature = nn.Parameter(torch.tensor(1.25))
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.wpe.weight.requires_grad_(False)
+
+    def forward(self, idx, targets):
+        logits = super().forward(idx) * self.temperature + self.empty.sum()
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def parity_config() -> GPTConfig:
+    return GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24,
+                     head_bias=True)
+
+
+def make_parity_model(seed: int = 0) -> ParityGPT:
+    torch.manual_seed(seed)
+    return ParityGPT(parity_config())
+
+
+@functools.lru_cache(maxsize=1)
+def _dataset() -> CharDataset:
+    return CharDataset()
+
+
+def global_batch(step: int, batch: int, seq: int = 16):
+    """Windows of the bundled Tiny Shakespeare, the same on every rank."""
+    return _dataset().global_batch(step, batch, seq, seed=7)
+
+
+def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = t.size(0) // world
+    return t[rank * per:(rank + 1) * per]
+
+
+def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The reference layout: flatten, pad to W * ceil(n / W), take slice r."""
+    n = full.numel()
+    s = -(-n // world)
+    padded = torch.zeros(world * s, dtype=full.dtype)
+    padded[:n] = full.reshape(-1)
+    return padded[rank * s:(rank + 1) * s]
+
+
+def make_optimizer(params):
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
