@@ -21,6 +21,7 @@ def _rank_main(fn, rank, world_size, init_file, conn, args, init_group):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # every rank builds the same model unless a test says otherwise
     try:
         if init_group:
             dist.init_process_group("gloo", init_method=f"file://{init_file}",

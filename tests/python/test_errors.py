@@ -1,0 +1,95 @@
+"""Bad input gives a clear error naming what was wrong; none hangs (every
+multi-rank case runs under the harness timeout)."""
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+
+def test_shard_without_process_group():
+    import sharc
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sharc.shard(torch.nn.Linear(2, 2))
+
+
+def _twice_and_device(rank, world):
+    import sharc
+
+    errors = {}
+    lin = torch.nn.Linear(3, 3)
+    sharc.shard(lin)
+    try:
+        sharc.shard(lin)
+    except RuntimeError as e:
+        errors["twice"] = str(e)
+    parent = torch.nn.Sequential(lin)
+    try:
+        sharc.shard(parent)
+    except RuntimeError as e:
+        errors["parent_of_sharded"] = str(e)
+    try:
+        sharc.shard(torch.nn.Linear(3, 3, device="meta"))
+    except RuntimeError as e:
+        errors["device"] = str(e)
+    return errors
+
+
+def test_shard_twice_and_wrong_device():
+    for errors in run_ranks(_twice_and_device, 2):
+        assert "already called" in errors["twice"]
+        assert "already called" in errors["parent_of_sharded"]
+        assert "meta" in errors["device"] and "gloo" in errors["device"]
+
+
+def _mismatched(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    cases = {
+        "shape": torch.nn.Linear(4, 3 if rank == 0 else 5),
+        "dtype": torch.nn.Linear(4, 3, dtype=torch.float32 if rank == 0 else torch.float64),
+        "count": torch.nn.Linear(4, 3, bias=(rank == 0)),
+        "values": torch.nn.Linear(4, 3),  # the seed is not reset: values differ
+    }
+    errors = {}
+    for name, module in cases.items():
+        if name == "values":
+            torch.manual_seed(rank)
+            module = torch.nn.Linear(4, 3)
+        try:
+            sharc.shard(module)
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def test_parameters_that_differ_across_ranks():
+    for errors in run_ranks(_mismatched, 2, timeout=120):
+        assert "shape (3, 4) on rank 0 but (5, 4) on rank 1" in errors["shape"]
+        assert "dtype torch.float32 on rank 0 but torch.float64 on rank 1" in errors["dtype"]
+        assert "rank 0 has 2 parameters, rank 1 has 1" in errors["count"]
+        assert "different values" in errors["values"] and "seed" in errors["values"]
+
+
+def _bad_state_dict(rank, world):
+    import sharc
+
+    lin = torch.nn.Linear(3, 2)
+    sharc.shard(lin)
+    errors = []
+    for sd in ({"weight": torch.zeros(2, 3)},
+               {"weight": torch.zeros(3, 3), "bias": torch.zeros(2)}):
+        try:
+            sharc.load_full_state_dict(lin, sd)
+        except (KeyError, ValueError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_full_state_dict():
+    for errors in run_ranks(_bad_state_dict, 2):
+        assert "missing keys ['bias']" in errors[0]
+        assert "'weight' has shape (3, 3), the module expects (2, 3)" in errors[1]

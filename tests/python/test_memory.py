@@ -1,0 +1,43 @@
+"""Nothing full-size survives from forward to backward, and the peak of
+gathered bytes during a training step of an 8-block transformer stays below
+three blocks' parameters on every rank."""
+
+import torch
+
+from dist_harness import run_ranks
+
+
+def _step_peak(rank, world):
+    import sharc
+    from sharc.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=8, n_head=4, n_embd=64))
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sharc.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(65, (2, 32))
+    stats = []
+    for _ in range(2):
+        sharc.reset_memory_stats()
+        loss = model(x, x)
+        after_forward = sharc.memory_stats()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats.append((after_forward, sharc.memory_stats()))
+    return block_bytes, model_bytes, stats
+
+
+def test_peak_gathered_bytes_below_three_blocks():
+    for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2):
+        for after_forward, after_step in stats:
+            assert after_forward["gathered_bytes"] == 0
+            assert after_step["gathered_bytes"] == 0
+            assert 0 < after_step["peak_gathered_bytes"] < 3 * block_bytes
+            # Each rank holds about half the model (plus padding).
+            assert model_bytes / 2 <= after_step["shard_bytes"] < model_bytes / 2 + 4 * 64
+            # Every parameter with a gradient was reduce-scattered once per step.
+            assert after_step["reduce_scatter_calls"] > 0
+            assert after_step["allgather_bytes"] > 0
