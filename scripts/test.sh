@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite: C++ unit tests through CTest, then the multi-process
+# Python tests through pytest. Run scripts/setup.sh first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cmake -S . -B build/cpp-tests -G Ninja -DSHARC_BUILD_EXTENSION=OFF -DSHARC_BUILD_TESTS=ON >/dev/null
+cmake --build build/cpp-tests -j "$(nproc)"
+ctest --test-dir build/cpp-tests --output-on-failure
+
+.venv/bin/python -m pytest tests/python "$@"
