@@ -61,6 +61,10 @@ class EagerSchedule:
         self._end_of_backward_queued = False
 
     # -- forward scopes -------------------------------------------------
+    # Scopes and reads are disabled for torch.compile: inside a frame compiled
+    # by a backend other than sharc's, they run eagerly at a graph break, so
+    # every gather is still matched by its release.
+    @torch.compiler.disable
     def enter_scope(self) -> None:
         if not self._scopes:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
@@ -68,6 +72,7 @@ class EagerSchedule:
             self._saved_hooks.__enter__()
         self._scopes.append(_Scope())
 
+    @torch.compiler.disable
     def exit_scope(self) -> None:
         scope = self._scopes.pop()
         for ref, _ in scope.full.values():
@@ -77,6 +82,7 @@ class EagerSchedule:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
 
+    @torch.compiler.disable
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
         if not self._scopes:
@@ -95,10 +101,12 @@ class EagerSchedule:
         return full
 
     # -- backward -------------------------------------------------------
+    @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
         ref = self._by_storage.get(t.untyped_storage()._cdata)
         return t if ref is None else _SavedParam(ref, t)
 
+    @torch.compiler.disable
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParam):
             return saved

@@ -19,10 +19,7 @@ from sharc._param_ref import ShardedParamRef
 
 def _full_param_property(name: str) -> property:
     def get(module: torch.nn.Module) -> torch.Tensor:
-        ref = module._sharc_refs[name]
-        if torch.compiler.is_compiling():
-            return ref.gather_op()
-        return module._sharc_schedule.read(ref)
+        return module._sharc_schedule.read(module._sharc_refs[name])
 
     return property(get, doc=f"The full (gathered) parameter '{name}'.")
 
