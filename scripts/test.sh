@@ -3,6 +3,7 @@
 # Python tests through pytest. Run scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"  # cmake/ninja from pip, if setup installed them there
 
 cmake -S . -B build/cpp-tests -G Ninja -DSHARC_BUILD_EXTENSION=OFF -DSHARC_BUILD_TESTS=ON >/dev/null
 cmake --build build/cpp-tests -j "$(nproc)"

@@ -16,6 +16,10 @@ Communicator::Communicator(const std::string& group_name)
   world_size_ = group_->getSize();
 }
 
+bool Communicator::is_current() const {
+  return c10d::resolve_process_group(group_name_).get() == group_.get();
+}
+
 // torch 2.13 renamed the single-tensor collectives (the old names remain as
 // deprecated aliases); torch 2.11 only has the old names.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)

@@ -19,9 +19,10 @@ namespace {
 
 at::Tensor gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
                          const std::string& group, int64_t param) {
-  (void)shard;  // the runtime reads its registered shard; `shard` carries autograd
   (void)shape;
-  return RuntimeTable::instance().get(group)->gather(param);
+  auto runtime = RuntimeTable::instance().get(group);
+  runtime->check_shard(param, shard);  // the runtime gathers its registered shard
+  return runtime->gather(param);
 }
 
 at::Tensor gather_meta(const at::Tensor& shard, c10::IntArrayRef shape,

@@ -160,6 +160,16 @@ at::Tensor Runtime::full_view(const ShardedParam& p) const {
   return view;
 }
 
+void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const ShardedParam& p = param(id);
+  SHARC_CHECK(shard.storage().is_alias_of(p.shard.storage()), "sharc: the tensor passed "
+              "as the shard of '", p.name, "' (id ", id, ", group '", comm_.group_name(),
+              "') is not the shard sharc registered: the module was sharded on a process "
+              "group that has since been destroyed, or the parameter's .data was replaced; "
+              "shard the module again on the current group");
+}
+
 void Runtime::set_persistent(int64_t id, bool persistent) {
   std::lock_guard<std::mutex> lock(mutex_);
   param(id).state.set_persistent(persistent);

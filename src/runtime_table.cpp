@@ -12,10 +12,13 @@ RuntimeTable& RuntimeTable::instance() {
 c10::intrusive_ptr<Runtime> RuntimeTable::get_or_create(const std::string& group_name) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = runtimes_.find(group_name);
-  if (it == runtimes_.end()) {
-    it = runtimes_.emplace(group_name, c10::make_intrusive<Runtime>(group_name)).first;
+  if (it != runtimes_.end() && it->second->is_current()) {
+    return it->second;
   }
-  return it->second;
+  // First use, or the group was destroyed and a new one took its name.
+  auto runtime = c10::make_intrusive<Runtime>(group_name);
+  runtimes_[group_name] = runtime;
+  return runtime;
 }
 
 c10::intrusive_ptr<Runtime> RuntimeTable::get(const std::string& group_name) {

@@ -23,6 +23,9 @@ class Communicator {
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
   const std::string& group_name() const { return group_name_; }
+  /// Whether this communicator still talks through the group c10d now
+  /// registers under its name (a destroyed and re-created group may reuse it).
+  bool is_current() const;
 
   /// Non-blocking. `out` holds world_size * shard.numel() elements and is
   /// written in rank order.

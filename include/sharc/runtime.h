@@ -79,6 +79,10 @@ class Runtime : public torch::CustomClassHolder {
   int64_t rank() const { return comm_.rank(); }
   int64_t world_size() const { return comm_.world_size(); }
   const std::string& group_name() const { return comm_.group_name(); }
+  bool is_current() const { return comm_.is_current(); }
+  /// Throws unless `shard` shares storage with parameter `id`'s registered
+  /// shard (catches ids from another runtime and replaced `.data`).
+  void check_shard(int64_t id, const at::Tensor& shard);
   ShardLayout layout(int64_t id);
 
  private:

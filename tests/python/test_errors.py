@@ -93,3 +93,36 @@ def test_bad_full_state_dict():
     for errors in run_ranks(_bad_state_dict, 2):
         assert "missing keys ['bias']" in errors[0]
         assert "'weight' has shape (3, 3), the module expects (2, 3)" in errors[1]
+
+
+
+def _regroup(rank, world, init_file):
+    import torch.distributed as dist
+
+    import sharc
+
+    old = torch.nn.Linear(3, 3)
+    sharc.shard(old)
+    name = dist.group.WORLD.group_name
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    new = torch.nn.Linear(3, 3)
+    sharc.shard(new)
+    works = new(torch.ones(1, 3)).sum().item()
+    try:
+        old(torch.ones(1, 3))
+        stale = None
+    except RuntimeError as e:
+        stale = str(e)
+    return dist.group.WORLD.group_name == name, works, stale
+
+
+def test_module_sharded_on_a_destroyed_group(tmp_path):
+    # The new default group takes the old one's name: sharc must bind a fresh
+    # runtime to it, and the old module must fail clearly instead of gathering
+    # another parameter or talking through a destroyed group.
+    for same_name, works, stale in run_ranks(_regroup, 2, str(tmp_path / "again")):
+        assert same_name
+        assert isinstance(works, float)
+        assert stale is not None and "destroyed" in stale
