@@ -1,0 +1,83 @@
+#pragma once
+// sharc's scheduling IR: one FX graph reduced to what scheduling needs.
+//
+// A Graph is an ordered list of nodes over named values. Each value has a
+// byte size; each communication node names the parameters it serves. Text
+// form, one node per line ('#' starts a comment):
+//
+//   param @0 "blocks.0.fc.weight" bytes=4096      declares a sharded parameter
+//   %x = input bytes=256                           graph input
+//   %w = input param=@0                            full parameter saved by forward
+//   %g = gather @0 @1                              all-gather in flight (bucket)
+//   %w0, %w1 = wait %g                             full parameters, usable
+//   %y = compute "mm" %x %w0 bytes=256 cost=1.5    any other operation
+//   %dw = compute "mm" %x %y bytes=4096 grad=@0    produces @0's gradient
+//   release @0 after %y                            free after the last use
+//   reduce_scatter @0 @1 %dw0 %dw1                 gradient reduction (bucket)
+//   output %y
+//
+// A compute node may also read a parameter directly (`@0` as an operand):
+// that is a use the insertion pass turns into gather / wait / release.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace sharc::ir {
+
+enum class NodeKind { Input, Compute, Gather, Wait, Release, ReduceScatter, Output };
+
+const char* to_string(NodeKind kind);
+
+/// An operand: a value (%name) or a parameter read directly (@id).
+struct Operand {
+  std::string value;            ///< value name without '%', empty for a parameter
+  std::optional<int64_t> param; ///< set for a direct parameter read
+
+  static Operand of_value(std::string name) { return {std::move(name), std::nullopt}; }
+  static Operand of_param(int64_t id) { return {"", id}; }
+  bool is_param() const { return param.has_value(); }
+};
+
+struct Node {
+  NodeKind kind = NodeKind::Compute;
+  std::vector<std::string> outputs;  ///< value names defined here
+  std::vector<Operand> operands;
+  std::vector<int64_t> params;       ///< parameters served (comm nodes, input param=)
+  std::string op;                    ///< compute: the operation's name
+  int64_t bytes = 0;                 ///< bytes of the (single) output, if any
+  std::optional<int64_t> grad_of;    ///< compute: produces this parameter's gradient
+  std::optional<double> cost;        ///< measured cost, when known
+};
+
+struct Param {
+  int64_t id = 0;
+  std::string name;
+  int64_t bytes = 0;  ///< bytes of the full (gathered) parameter
+};
+
+struct Graph {
+  std::map<int64_t, Param> params;
+  std::vector<Node> nodes;
+
+  /// Bytes of a value: an input's, a compute's, or the gathered parameter
+  /// that a wait yields. Throws sharc::Error for unknown values.
+  int64_t value_bytes(const std::string& value) const;
+};
+
+/// Parses the text form; throws sharc::Error naming the line on bad input.
+Graph parse(const std::string& text);
+/// Prints the text form; parse(print(g)) == g.
+std::string print(const Graph& graph);
+
+/// Checks the schedule's rules; returns one message per violation (empty if
+/// none): every value defined once before use; every gather waited once
+/// before its parameters are used; every gathered parameter released after
+/// its last use and never used after release; every gradient reduced exactly
+/// once. `require_comm` false allows direct parameter reads (a graph before
+/// the insertion pass).
+std::vector<std::string> verify(const Graph& graph, bool require_comm = true);
+
+}  // namespace sharc::ir

@@ -1,0 +1,219 @@
+#include "sharc/ir.h"
+
+#include <sstream>
+
+#include "sharc/error.h"
+
+namespace sharc::ir {
+
+const char* to_string(NodeKind kind) {
+  switch (kind) {
+    case NodeKind::Input: return "input";
+    case NodeKind::Compute: return "compute";
+    case NodeKind::Gather: return "gather";
+    case NodeKind::Wait: return "wait";
+    case NodeKind::Release: return "release";
+    case NodeKind::ReduceScatter: return "reduce_scatter";
+    case NodeKind::Output: return "output";
+  }
+  return "unknown";
+}
+
+int64_t Graph::value_bytes(const std::string& value) const {
+  for (const Node& n : nodes) {
+    for (size_t i = 0; i < n.outputs.size(); ++i) {
+      if (n.outputs[i] != value) continue;
+      if (n.kind != NodeKind::Wait) return n.bytes;
+      // A wait's i-th output is the i-th parameter of the gather it waits on.
+      for (const Node& g : nodes) {
+        if (g.kind == NodeKind::Gather && !g.outputs.empty() &&
+            !n.operands.empty() && g.outputs[0] == n.operands[0].value &&
+            i < g.params.size()) {
+          return params.at(g.params[i]).bytes;
+        }
+      }
+    }
+  }
+  throw Error(detail::concat("sharc ir: unknown value %", value));
+}
+
+// ---------------------------------------------------------------- parsing
+
+namespace {
+
+std::vector<std::string> tokenize(const std::string& line, int lineno) {
+  std::vector<std::string> tokens;
+  size_t i = 0;
+  while (i < line.size()) {
+    if (std::isspace(static_cast<unsigned char>(line[i])) || line[i] == ',') {
+      ++i;
+    } else if (line[i] == '#') {
+      break;
+    } else if (line[i] == '"') {
+      const size_t end = line.find('"', i + 1);
+      SHARC_CHECK(end != std::string::npos, "sharc ir line ", lineno, ": unterminated string");
+      tokens.push_back(line.substr(i, end - i + 1));
+      i = end + 1;
+    } else {
+      size_t end = i;
+      while (end < line.size() && !std::isspace(static_cast<unsigned char>(line[end])) &&
+             line[end] != ',') {
+        ++end;
+      }
+      tokens.push_back(line.substr(i, end - i));
+      i = end;
+    }
+  }
+  return tokens;
+}
+
+int64_t param_id(const std::string& token, int lineno) {
+  SHARC_CHECK(token.size() > 1 && token[0] == '@', "sharc ir line ", lineno,
+              ": expected a parameter like @0, got '", token, "'");
+  try {
+    return std::stoll(token.substr(1));
+  } catch (const std::exception&) {
+    throw Error(detail::concat("sharc ir line ", lineno, ": bad parameter '", token, "'"));
+  }
+}
+
+NodeKind kind_of(const std::string& word, int lineno) {
+  for (NodeKind k : {NodeKind::Input, NodeKind::Compute, NodeKind::Gather, NodeKind::Wait,
+                     NodeKind::Release, NodeKind::ReduceScatter, NodeKind::Output}) {
+    if (word == to_string(k)) return k;
+  }
+  throw Error(detail::concat("sharc ir line ", lineno, ": unknown node kind '", word, "'"));
+}
+
+void parse_attribute(Node& node, const std::string& key, const std::string& value,
+                     int lineno) {
+  if (key == "bytes") {
+    node.bytes = std::stoll(value);
+  } else if (key == "cost") {
+    node.cost = std::stod(value);
+  } else if (key == "grad") {
+    node.grad_of = param_id(value, lineno);
+  } else if (key == "param") {
+    node.params.push_back(param_id(value, lineno));
+  } else {
+    throw Error(detail::concat("sharc ir line ", lineno, ": unknown attribute '", key, "'"));
+  }
+}
+
+void parse_argument(Node& node, const std::string& tok, int lineno) {
+  const size_t eq = tok.find('=');
+  if (eq != std::string::npos) {
+    parse_attribute(node, tok.substr(0, eq), tok.substr(eq + 1), lineno);
+  } else if (tok[0] == '%') {
+    node.operands.push_back(Operand::of_value(tok.substr(1)));
+  } else if (tok[0] == '@') {
+    if (node.kind == NodeKind::Compute || node.kind == NodeKind::Output) {
+      node.operands.push_back(Operand::of_param(param_id(tok, lineno)));
+    } else {
+      node.params.push_back(param_id(tok, lineno));
+    }
+  } else if (tok[0] == '"' && node.kind == NodeKind::Compute) {
+    node.op = tok.substr(1, tok.size() - 2);
+  } else if (tok == "after" && node.kind == NodeKind::Release) {
+    // operands that follow are the release's data dependences
+  } else {
+    throw Error(detail::concat("sharc ir line ", lineno, ": unexpected '", tok, "'"));
+  }
+}
+
+Param parse_param(const std::vector<std::string>& tokens, int lineno) {
+  SHARC_CHECK(tokens.size() == 4 && tokens[2].front() == '"' &&
+                  tokens[3].rfind("bytes=", 0) == 0,
+              "sharc ir line ", lineno, ": expected 'param @N \"name\" bytes=B'");
+  return Param{param_id(tokens[1], lineno), tokens[2].substr(1, tokens[2].size() - 2),
+               std::stoll(tokens[3].substr(6))};
+}
+
+Node parse_node(const std::vector<std::string>& tokens, int lineno) {
+  Node node;
+  size_t i = 0;
+  std::vector<std::string> outputs;
+  while (i < tokens.size() && tokens[i] != "=" && tokens[i][0] == '%') {
+    outputs.push_back(tokens[i++].substr(1));
+  }
+  if (!outputs.empty()) {
+    SHARC_CHECK(i < tokens.size() && tokens[i] == "=", "sharc ir line ", lineno,
+                ": expected '=' after the outputs");
+    ++i;
+  }
+  SHARC_CHECK(i < tokens.size(), "sharc ir line ", lineno, ": missing node kind");
+  node.kind = kind_of(tokens[i++], lineno);
+  node.outputs = std::move(outputs);
+  for (; i < tokens.size(); ++i) {
+    parse_argument(node, tokens[i], lineno);
+  }
+  return node;
+}
+
+}  // namespace
+
+Graph parse(const std::string& text) {
+  Graph graph;
+  std::istringstream in(text);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    const auto tokens = tokenize(line, lineno);
+    if (tokens.empty()) continue;
+    if (tokens[0] == "param") {
+      Param p = parse_param(tokens, lineno);
+      SHARC_CHECK(graph.params.count(p.id) == 0, "sharc ir line ", lineno,
+                  ": parameter @", p.id, " declared twice");
+      graph.params[p.id] = p;
+    } else {
+      graph.nodes.push_back(parse_node(tokens, lineno));
+    }
+  }
+  return graph;
+}
+
+// --------------------------------------------------------------- printing
+
+namespace {
+
+void print_node(std::ostream& out, const Node& n) {
+  for (size_t i = 0; i < n.outputs.size(); ++i) {
+    out << (i ? ", %" : "%") << n.outputs[i];
+  }
+  if (!n.outputs.empty()) out << " = ";
+  out << to_string(n.kind);
+  if (n.kind == NodeKind::Input) {
+    for (int64_t p : n.params) out << " param=@" << p;
+  } else {
+    for (int64_t p : n.params) out << " @" << p;
+  }
+  if (n.kind == NodeKind::Compute) out << " \"" << n.op << "\"";
+  if (n.kind == NodeKind::Release && !n.operands.empty()) out << " after";
+  for (const Operand& o : n.operands) {
+    if (o.is_param()) {
+      out << " @" << *o.param;
+    } else {
+      out << " %" << o.value;
+    }
+  }
+  if (n.bytes) out << " bytes=" << n.bytes;
+  if (n.grad_of) out << " grad=@" << *n.grad_of;
+  if (n.cost) out << " cost=" << *n.cost;
+  out << "\n";
+}
+
+}  // namespace
+
+std::string print(const Graph& graph) {
+  std::ostringstream out;
+  for (const auto& [id, p] : graph.params) {
+    out << "param @" << id << " \"" << p.name << "\" bytes=" << p.bytes << "\n";
+  }
+  for (const Node& n : graph.nodes) {
+    print_node(out, n);
+  }
+  return out.str();
+}
+
+}  // namespace sharc::ir

@@ -1,0 +1,196 @@
+// The IR verifier: the schedule rules every pass must preserve.
+
+#include <map>
+#include <set>
+
+#include "sharc/error.h"
+#include "sharc/ir.h"
+
+namespace sharc::ir {
+namespace {
+
+class Verifier {
+ public:
+  Verifier(const Graph& graph, bool require_comm)
+      : graph_(graph), require_comm_(require_comm) {}
+
+  std::vector<std::string> run() {
+    for (size_t i = 0; i < graph_.nodes.size(); ++i) {
+      visit(i, graph_.nodes[i]);
+    }
+    finish();
+    return errors_;
+  }
+
+ private:
+  template <typename... Parts>
+  void fail(size_t index, const Parts&... parts) {
+    errors_.push_back(detail::concat("node ", index, " (", to_string(graph_.nodes[index].kind),
+                                     "): ", parts...));
+  }
+
+  void define(size_t index, const Node& n) {
+    for (const std::string& v : n.outputs) {
+      if (!defined_.insert(v).second) fail(index, "%", v, " is defined twice");
+    }
+  }
+
+  // A read of an operand by a node that computes with it.
+  void use(size_t index, const Operand& o) {
+    if (o.is_param()) {
+      if (require_comm_) {
+        fail(index, "reads parameter @", *o.param, " directly; gather and wait first");
+      }
+      return;
+    }
+    if (!defined_.count(o.value)) {
+      fail(index, "uses %", o.value, " before it is defined");
+      return;
+    }
+    if (gathers_.count(o.value)) {
+      fail(index, "uses gather %", o.value, " before waiting on it");
+    }
+    auto full = full_values_.find(o.value);
+    if (full != full_values_.end()) {
+      const int64_t p = full->second;
+      if (!live_.count(p)) fail(index, "uses parameter @", p, " after its release");
+      last_user_[p] = index;
+    }
+  }
+
+  void visit(size_t index, const Node& n) {
+    switch (n.kind) {
+      case NodeKind::Input:
+        for (int64_t p : n.params) {
+          if (require_comm_) {
+            fail(index, "receives full parameter @", p,
+                 " saved by forward; backward must gather it again from the shard");
+          }
+        }
+        break;
+      case NodeKind::Gather: visit_gather(index, n); break;
+      case NodeKind::Wait: visit_wait(index, n); break;
+      case NodeKind::Release: visit_release(index, n); break;
+      case NodeKind::ReduceScatter: visit_reduce(index, n); break;
+      case NodeKind::Compute:
+      case NodeKind::Output:
+        for (const Operand& o : n.operands) use(index, o);
+        if (n.grad_of) gradients_[n.outputs.empty() ? "" : n.outputs[0]] = *n.grad_of;
+        if (n.grad_of) reductions_.emplace(*n.grad_of, 0);
+        break;
+    }
+    define(index, n);
+  }
+
+  void visit_gather(size_t index, const Node& n) {
+    if (n.outputs.size() != 1) fail(index, "must define exactly one value");
+    for (int64_t p : n.params) {
+      if (!graph_.params.count(p)) fail(index, "gathers undeclared parameter @", p);
+      if (live_.count(p) || in_flight_.count(p)) {
+        fail(index, "gathers @", p, " again before releasing it");
+      }
+      in_flight_.insert(p);
+    }
+    if (!n.outputs.empty()) gathers_[n.outputs[0]] = n.params;
+  }
+
+  void visit_wait(size_t index, const Node& n) {
+    if (n.operands.size() != 1 || !gathers_.count(n.operands[0].value)) {
+      fail(index, "must wait on exactly one gather in flight");
+      return;
+    }
+    const std::vector<int64_t> params = gathers_[n.operands[0].value];
+    gathers_.erase(n.operands[0].value);
+    if (n.outputs.size() != params.size()) {
+      fail(index, "yields ", n.outputs.size(), " values for ", params.size(), " parameters");
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      in_flight_.erase(params[i]);
+      live_.insert(params[i]);
+      if (i < n.outputs.size()) full_values_[n.outputs[i]] = params[i];
+    }
+  }
+
+  void visit_release(size_t index, const Node& n) {
+    for (const Operand& o : n.operands) {
+      if (!o.is_param() && !defined_.count(o.value)) {
+        fail(index, "waits for %", o.value, " before it is defined");
+      }
+    }
+    for (int64_t p : n.params) {
+      if (!live_.erase(p)) {
+        fail(index, "releases @", p, " which is not gathered");
+        continue;
+      }
+      check_tied_to_last_user(index, n, p);
+    }
+  }
+
+  // The release must depend on the last user's output so that no compiler
+  // can move it before that use.
+  void check_tied_to_last_user(size_t index, const Node& n, int64_t p) {
+    auto last = last_user_.find(p);
+    if (last == last_user_.end()) return;
+    const Node& user = graph_.nodes[last->second];
+    if (user.outputs.empty()) return;
+    for (const Operand& o : n.operands) {
+      for (const std::string& out : user.outputs) {
+        if (o.value == out) return;
+      }
+    }
+    fail(index, "release of @", p, " does not depend on its last user (node ",
+         last->second, ")");
+  }
+
+  void visit_reduce(size_t index, const Node& n) {
+    if (n.params.size() != n.operands.size()) {
+      fail(index, "reduces ", n.operands.size(), " values for ", n.params.size(), " parameters");
+      return;
+    }
+    for (size_t i = 0; i < n.params.size(); ++i) {
+      use(index, n.operands[i]);
+      auto g = gradients_.find(n.operands[i].value);
+      if (g == gradients_.end() || g->second != n.params[i]) {
+        fail(index, "%", n.operands[i].value, " is not a gradient of @", n.params[i]);
+        continue;
+      }
+      ++reductions_[n.params[i]];
+    }
+  }
+
+  void finish() {
+    for (int64_t p : in_flight_) {
+      errors_.push_back(detail::concat("parameter @", p, " is gathered but never waited on"));
+    }
+    for (int64_t p : live_) {
+      errors_.push_back(detail::concat("parameter @", p, " is gathered but never released"));
+    }
+    if (!require_comm_) return;
+    for (const auto& [p, count] : reductions_) {
+      if (count != 1) {
+        errors_.push_back(detail::concat("gradient of @", p, " is reduced ", count,
+                                         " times; it must be reduced exactly once"));
+      }
+    }
+  }
+
+  const Graph& graph_;
+  bool require_comm_;
+  std::vector<std::string> errors_;
+  std::set<std::string> defined_;
+  std::map<std::string, std::vector<int64_t>> gathers_;  // gather value -> params
+  std::map<std::string, int64_t> full_values_;           // wait output -> param
+  std::map<std::string, int64_t> gradients_;             // gradient value -> param
+  std::map<int64_t, int> reductions_;                    // param -> reductions
+  std::map<int64_t, size_t> last_user_;
+  std::set<int64_t> in_flight_;
+  std::set<int64_t> live_;
+};
+
+}  // namespace
+
+std::vector<std::string> verify(const Graph& graph, bool require_comm) {
+  return Verifier(graph, require_comm).run();
+}
+
+}  // namespace sharc::ir

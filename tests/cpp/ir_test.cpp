@@ -1,0 +1,86 @@
+// Parser and printer: text in, text out.
+
+#include <gtest/gtest.h>
+
+#include "sharc/error.h"
+#include "sharc/ir.h"
+
+namespace sharc::ir {
+namespace {
+
+const char* kScheduled = R"(
+param @0 "fc.weight" bytes=4096
+param @1 "fc.bias" bytes=64   # a comment
+%x = input bytes=256
+%g = gather @0 @1
+%w, %b = wait %g
+%y = compute "addmm" %b %x %w bytes=256 cost=1.5
+release @0 @1 after %y
+output %y
+)";
+
+TEST(IrText, PrintsCanonicalForm) {
+  EXPECT_EQ(print(parse(kScheduled)),
+            "param @0 \"fc.weight\" bytes=4096\n"
+            "param @1 \"fc.bias\" bytes=64\n"
+            "%x = input bytes=256\n"
+            "%g = gather @0 @1\n"
+            "%w, %b = wait %g\n"
+            "%y = compute \"addmm\" %b %x %w bytes=256 cost=1.5\n"
+            "release @0 @1 after %y\n"
+            "output %y\n");
+}
+
+TEST(IrText, RoundTrips) {
+  const std::string once = print(parse(kScheduled));
+  EXPECT_EQ(print(parse(once)), once);
+}
+
+TEST(IrText, ParsesStructure) {
+  const Graph g = parse(kScheduled);
+  ASSERT_EQ(g.params.size(), 2u);
+  EXPECT_EQ(g.params.at(0).name, "fc.weight");
+  ASSERT_EQ(g.nodes.size(), 6u);
+  EXPECT_EQ(g.nodes[1].kind, NodeKind::Gather);
+  EXPECT_EQ(g.nodes[1].params, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(g.nodes[2].outputs, (std::vector<std::string>{"w", "b"}));
+  EXPECT_EQ(g.nodes[3].op, "addmm");
+  EXPECT_DOUBLE_EQ(*g.nodes[3].cost, 1.5);
+  EXPECT_EQ(g.value_bytes("w"), 4096);
+  EXPECT_EQ(g.value_bytes("b"), 64);
+  EXPECT_EQ(g.value_bytes("y"), 256);
+  EXPECT_THROW(g.value_bytes("nope"), Error);
+}
+
+TEST(IrText, DirectParameterReadsAndGradients) {
+  const Graph g = parse(
+      "param @0 \"w\" bytes=16\n"
+      "%saved = input param=@0\n"
+      "%dw = compute \"mm\" %saved @0 bytes=16 grad=@0\n"
+      "reduce_scatter @0 %dw\n");
+  EXPECT_EQ(g.nodes[0].params, (std::vector<int64_t>{0}));
+  EXPECT_TRUE(g.nodes[1].operands[1].is_param());
+  EXPECT_EQ(*g.nodes[1].grad_of, 0);
+  EXPECT_EQ(print(g),
+            "param @0 \"w\" bytes=16\n"
+            "%saved = input param=@0\n"
+            "%dw = compute \"mm\" %saved @0 bytes=16 grad=@0\n"
+            "reduce_scatter @0 %dw\n");
+}
+
+TEST(IrText, BadInputNamesTheLine) {
+  try {
+    parse("%x = input bytes=4\n%y = frobnicate %x\n");
+    FAIL() << "unknown node kinds must be rejected";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("frobnicate"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse("param @0 \"w\" bytes=4\nparam @0 \"v\" bytes=4\n"), Error);
+  EXPECT_THROW(parse("%x = compute \"mm\" bogus=1\n"), Error);
+  EXPECT_THROW(parse("%g = gather @x\n"), Error);
+  EXPECT_THROW(parse("%x = compute \"unterminated\n"), Error);
+}
+
+}  // namespace
+}  // namespace sharc::ir

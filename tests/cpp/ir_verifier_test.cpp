@@ -1,0 +1,101 @@
+// The verifier: one rule per test, each with a graph that breaks it.
+
+#include <gtest/gtest.h>
+
+#include "sharc/ir.h"
+
+namespace sharc::ir {
+namespace {
+
+const char* kParams = "param @0 \"w\" bytes=64\nparam @1 \"b\" bytes=8\n";
+
+std::vector<std::string> check(const std::string& body, bool require_comm = true) {
+  return verify(parse(std::string(kParams) + body), require_comm);
+}
+
+bool mentions(const std::vector<std::string>& errors, const std::string& text) {
+  for (const auto& e : errors) {
+    if (e.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(IrVerifier, AcceptsAWellFormedForwardAndBackward) {
+  const auto errors = check(
+      "%x = input bytes=16\n"
+      "%g = gather @0\n"
+      "%w = wait %g\n"
+      "%y = compute \"mm\" %x %w bytes=16\n"
+      "%z = compute \"relu\" %y %w bytes=16\n"
+      "release @0 after %z\n"
+      "%dw = compute \"mm_grad\" %x %z bytes=64 grad=@0\n"
+      "reduce_scatter @0 %dw\n"
+      "output %z\n");
+  EXPECT_TRUE(errors.empty()) << errors[0];
+}
+
+TEST(IrVerifier, UseBeforeWait) {
+  const auto e = check("%g = gather @0\n%y = compute \"mm\" %g bytes=4\n%w = wait %g\n"
+                       "release @0 after %w\n");
+  EXPECT_TRUE(mentions(e, "before waiting")) << (e.empty() ? "" : e[0]);
+}
+
+TEST(IrVerifier, UseAfterRelease) {
+  const auto e = check("%g = gather @0\n%w = wait %g\n%y = compute \"a\" %w bytes=4\n"
+                       "release @0 after %y\n%z = compute \"b\" %w bytes=4\n");
+  EXPECT_TRUE(mentions(e, "after its release"));
+}
+
+TEST(IrVerifier, NeverReleased) {
+  const auto e = check("%g = gather @0\n%w = wait %g\n%y = compute \"a\" %w bytes=4\n");
+  EXPECT_TRUE(mentions(e, "never released"));
+}
+
+TEST(IrVerifier, NeverWaited) {
+  const auto e = check("%g = gather @0\n");
+  EXPECT_TRUE(mentions(e, "never waited"));
+}
+
+TEST(IrVerifier, ReleaseNotTiedToLastUser) {
+  const auto e = check("%g = gather @0\n%w = wait %g\n%y = compute \"a\" %w bytes=4\n"
+                       "%z = compute \"b\" %w bytes=4\nrelease @0 after %y\n");
+  EXPECT_TRUE(mentions(e, "does not depend on its last user"));
+}
+
+TEST(IrVerifier, GradientReducedTwiceOrNever) {
+  const char* grads = "%x = input bytes=4\n%dw = compute \"g\" %x bytes=64 grad=@0\n"
+                      "%db = compute \"g\" %x bytes=8 grad=@1\n";
+  auto e = check(std::string(grads) + "reduce_scatter @0 %dw\nreduce_scatter @0 %dw\n");
+  EXPECT_TRUE(mentions(e, "@0 is reduced 2 times"));
+  EXPECT_TRUE(mentions(e, "@1 is reduced 0 times"));
+  e = check(std::string(grads) + "reduce_scatter @0 @1 %dw %db\n");
+  EXPECT_TRUE(e.empty()) << e[0];
+  e = check(std::string(grads) + "reduce_scatter @1 @0 %dw %db\n");
+  EXPECT_TRUE(mentions(e, "is not a gradient of @1"));
+}
+
+TEST(IrVerifier, FullParameterSavedForBackward) {
+  const auto e = check("%w = input param=@0\n%y = compute \"a\" %w bytes=4\n");
+  EXPECT_TRUE(mentions(e, "saved by forward"));
+  EXPECT_TRUE(check("%w = input param=@0\n", /*require_comm=*/false).empty());
+}
+
+TEST(IrVerifier, DirectReadsOnlyBeforeInsertion) {
+  const char* body = "%x = input bytes=4\n%y = compute \"mm\" %x @0 bytes=4\n";
+  EXPECT_TRUE(mentions(check(body), "reads parameter @0 directly"));
+  EXPECT_TRUE(check(body, /*require_comm=*/false).empty());
+}
+
+TEST(IrVerifier, DefinitionsAndDoubleGather) {
+  auto e = check("%y = compute \"a\" %nope bytes=4\n");
+  EXPECT_TRUE(mentions(e, "before it is defined"));
+  e = check("%x = input bytes=4\n%x = input bytes=4\n");
+  EXPECT_TRUE(mentions(e, "defined twice"));
+  e = check("%g = gather @0\n%h = gather @0\n");
+  EXPECT_TRUE(mentions(e, "again before releasing"));
+  e = check("release @1\n");
+  EXPECT_TRUE(mentions(e, "not gathered"));
+}
+
+}  // namespace
+}  // namespace sharc::ir
