@@ -11,8 +11,8 @@ namespace {
 
 class Verifier {
  public:
-  Verifier(const Graph& graph, bool require_comm)
-      : graph_(graph), require_comm_(require_comm) {}
+  Verifier(const Graph& graph, const VerifyOptions& options)
+      : graph_(graph), options_(options) {}
 
   std::vector<std::string> run() {
     for (size_t i = 0; i < graph_.nodes.size(); ++i) {
@@ -38,7 +38,7 @@ class Verifier {
   // A read of an operand by a node that computes with it.
   void use(size_t index, const Operand& o) {
     if (o.is_param()) {
-      if (require_comm_) {
+      if (!options_.allow_direct_reads) {
         fail(index, "reads parameter @", *o.param, " directly; gather and wait first");
       }
       return;
@@ -62,7 +62,7 @@ class Verifier {
     switch (n.kind) {
       case NodeKind::Input:
         for (int64_t p : n.params) {
-          if (require_comm_) {
+          if (!options_.allow_saved_params) {
             fail(index, "receives full parameter @", p,
                  " saved by forward; backward must gather it again from the shard");
           }
@@ -165,7 +165,7 @@ class Verifier {
     for (int64_t p : live_) {
       errors_.push_back(detail::concat("parameter @", p, " is gathered but never released"));
     }
-    if (!require_comm_) return;
+    if (!options_.require_reductions) return;
     for (const auto& [p, count] : reductions_) {
       if (count != 1) {
         errors_.push_back(detail::concat("gradient of @", p, " is reduced ", count,
@@ -175,7 +175,7 @@ class Verifier {
   }
 
   const Graph& graph_;
-  bool require_comm_;
+  VerifyOptions options_;
   std::vector<std::string> errors_;
   std::set<std::string> defined_;
   std::map<std::string, std::vector<int64_t>> gathers_;  // gather value -> params
@@ -189,8 +189,8 @@ class Verifier {
 
 }  // namespace
 
-std::vector<std::string> verify(const Graph& graph, bool require_comm) {
-  return Verifier(graph, require_comm).run();
+std::vector<std::string> verify(const Graph& graph, const VerifyOptions& options) {
+  return Verifier(graph, options).run();
 }
 
 }  // namespace sharc::ir

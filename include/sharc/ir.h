@@ -72,12 +72,24 @@ Graph parse(const std::string& text);
 /// Prints the text form; parse(print(g)) == g.
 std::string print(const Graph& graph);
 
+/// Which rules a graph must already satisfy. A graph straight from the
+/// bridge still reads parameters directly and receives saved full
+/// parameters; passes establish the rest.
+struct VerifyOptions {
+  bool allow_direct_reads = false;   ///< compute may read @k (before insertion)
+  bool allow_saved_params = false;   ///< inputs may be full params (before re-gather)
+  bool require_reductions = true;    ///< every gradient reduced exactly once
+
+  /// Only the structural rules (definitions, gather/wait/release order).
+  static VerifyOptions structural() { return {true, true, false}; }
+};
+
 /// Checks the schedule's rules; returns one message per violation (empty if
 /// none): every value defined once before use; every gather waited once
 /// before its parameters are used; every gathered parameter released after
-/// its last use and never used after release; every gradient reduced exactly
-/// once. `require_comm` false allows direct parameter reads (a graph before
-/// the insertion pass).
-std::vector<std::string> verify(const Graph& graph, bool require_comm = true);
+/// its last use, by a release that depends on that use, and never used after
+/// release; and, as `options` demand, no direct parameter reads, no full
+/// parameters received from forward, every gradient reduced exactly once.
+std::vector<std::string> verify(const Graph& graph, const VerifyOptions& options = {});
 
 }  // namespace sharc::ir

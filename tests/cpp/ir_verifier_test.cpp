@@ -9,8 +9,8 @@ namespace {
 
 const char* kParams = "param @0 \"w\" bytes=64\nparam @1 \"b\" bytes=8\n";
 
-std::vector<std::string> check(const std::string& body, bool require_comm = true) {
-  return verify(parse(std::string(kParams) + body), require_comm);
+std::vector<std::string> check(const std::string& body, VerifyOptions options = {}) {
+  return verify(parse(std::string(kParams) + body), options);
 }
 
 bool mentions(const std::vector<std::string>& errors, const std::string& text) {
@@ -77,13 +77,18 @@ TEST(IrVerifier, GradientReducedTwiceOrNever) {
 TEST(IrVerifier, FullParameterSavedForBackward) {
   const auto e = check("%w = input param=@0\n%y = compute \"a\" %w bytes=4\n");
   EXPECT_TRUE(mentions(e, "saved by forward"));
-  EXPECT_TRUE(check("%w = input param=@0\n", /*require_comm=*/false).empty());
+  VerifyOptions before_regather;
+  before_regather.allow_saved_params = true;
+  EXPECT_TRUE(check("%w = input param=@0\n", before_regather).empty());
 }
 
 TEST(IrVerifier, DirectReadsOnlyBeforeInsertion) {
   const char* body = "%x = input bytes=4\n%y = compute \"mm\" %x @0 bytes=4\n";
   EXPECT_TRUE(mentions(check(body), "reads parameter @0 directly"));
-  EXPECT_TRUE(check(body, /*require_comm=*/false).empty());
+  VerifyOptions before_insertion;
+  before_insertion.allow_direct_reads = true;
+  EXPECT_TRUE(check(body, before_insertion).empty());
+  EXPECT_TRUE(check(body, VerifyOptions::structural()).empty());
 }
 
 TEST(IrVerifier, DefinitionsAndDoubleGather) {

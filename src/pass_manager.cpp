@@ -1,0 +1,57 @@
+#include "sharc/pass.h"
+
+#include "sharc/error.h"
+
+namespace sharc::ir {
+
+PassManager::PassManager(VerifyOptions input_rules, VerifyOptions final_rules)
+    : input_rules_(input_rules), final_rules_(final_rules) {}
+
+PassManager& PassManager::add(std::unique_ptr<Pass> pass) {
+  passes_.push_back(std::move(pass));
+  return *this;
+}
+
+void PassManager::disable(const std::string& name) {
+  for (const auto& pass : passes_) {
+    if (pass->name() == name) {
+      disabled_.insert(name);
+      return;
+    }
+  }
+  std::string known;
+  for (const auto& pass : passes_) known += " " + pass->name();
+  throw Error(detail::concat("sharc: no pass named '", name, "'; passes are:", known));
+}
+
+void PassManager::check(const Graph& graph, const VerifyOptions& rules,
+                        const std::string& after) const {
+  const auto errors = verify(graph, rules);
+  if (errors.empty()) return;
+  std::string all;
+  for (const auto& e : errors) all += "\n  " + e;
+  throw Error(detail::concat("sharc: the IR is invalid ", after, ":", all));
+}
+
+std::vector<PassRecord> PassManager::run(Graph& graph) const {
+  VerifyOptions rules = input_rules_;
+  check(graph, rules, "on input");
+  std::vector<PassRecord> records;
+  for (const auto& pass : passes_) {
+    const std::string name = pass->name();
+    if (disabled_.count(name)) {
+      records.push_back({name, 0, true});
+      continue;
+    }
+    if (printer_) printer_(name, "before", print(graph));
+    const int64_t rewrites = pass->run(graph);
+    if (printer_) printer_(name, "after", print(graph));
+    pass->establishes(rules);
+    check(graph, rules, "after pass '" + name + "'");
+    records.push_back({name, rewrites, false});
+  }
+  check(graph, final_rules_, "at the end of the pass pipeline");
+  return records;
+}
+
+}  // namespace sharc::ir

@@ -1,0 +1,88 @@
+#include <map>
+#include <set>
+
+#include "sharc/passes.h"
+
+namespace sharc::ir {
+namespace {
+
+struct Uses {
+  size_t first = 0;
+  size_t last = 0;
+};
+
+class InsertGatherRelease : public Pass {
+ public:
+  std::string name() const override { return "insert_gather_release"; }
+
+  int64_t run(Graph& graph) override {
+    const std::map<int64_t, Uses> uses = find_uses(graph);
+    if (uses.empty()) return 0;
+    std::vector<Node> out;
+    for (size_t i = 0; i < graph.nodes.size(); ++i) {
+      for (const auto& [p, u] : uses) {
+        if (u.first == i) emit_gather(out, p);
+      }
+      Node& n = graph.nodes[i];
+      for (Operand& o : n.operands) {
+        if (o.is_param()) o = Operand::of_value(full_name(*o.param));
+      }
+      out.push_back(n);
+      for (const auto& [p, u] : uses) {
+        if (u.last == i) emit_release(out, p, n);
+      }
+    }
+    graph.nodes = std::move(out);
+    return static_cast<int64_t>(uses.size());
+  }
+
+  void establishes(VerifyOptions& rules) const override { rules.allow_direct_reads = false; }
+
+ private:
+  static std::map<int64_t, Uses> find_uses(const Graph& graph) {
+    std::map<int64_t, Uses> uses;
+    for (size_t i = 0; i < graph.nodes.size(); ++i) {
+      for (const Operand& o : graph.nodes[i].operands) {
+        if (!o.is_param()) continue;
+        auto [it, fresh] = uses.try_emplace(*o.param, Uses{i, i});
+        if (!fresh) it->second.last = i;
+      }
+    }
+    return uses;
+  }
+
+  static std::string full_name(int64_t p) { return "sharc_full_" + std::to_string(p); }
+
+  static void emit_gather(std::vector<Node>& out, int64_t p) {
+    Node gather;
+    gather.kind = NodeKind::Gather;
+    gather.outputs = {"sharc_gather_" + std::to_string(p)};
+    gather.params = {p};
+    Node wait;
+    wait.kind = NodeKind::Wait;
+    wait.outputs = {full_name(p)};
+    wait.operands = {Operand::of_value(gather.outputs[0])};
+    out.push_back(std::move(gather));
+    out.push_back(std::move(wait));
+  }
+
+  // Depending on the last user's outputs keeps any later compiler from moving
+  // the release before that use.
+  static void emit_release(std::vector<Node>& out, int64_t p, const Node& last_user) {
+    Node release;
+    release.kind = NodeKind::Release;
+    release.params = {p};
+    for (const std::string& v : last_user.outputs) {
+      release.operands.push_back(Operand::of_value(v));
+    }
+    out.push_back(std::move(release));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Pass> make_insert_gather_release() {
+  return std::make_unique<InsertGatherRelease>();
+}
+
+}  // namespace sharc::ir

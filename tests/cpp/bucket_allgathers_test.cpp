@@ -1,0 +1,77 @@
+#include <gtest/gtest.h>
+
+#include "pass_test_util.h"
+#include "sharc/passes.h"
+
+namespace sharc::ir {
+namespace {
+
+using testing::canonical;
+using testing::run_pass;
+
+const char* kThreeGathers = R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+param @2 "v" bytes=64
+%x = input bytes=16
+%g0 = gather @0
+%w = wait %g0
+%g1 = gather @1
+%b = wait %g1
+%g2 = gather @2
+%v = wait %g2
+%y = compute "addmm" %b %x %w %v bytes=16
+release @0 @1 @2 after %y
+output %y
+)";
+
+TEST(BucketAllGathers, FusesAdjacentGathersUpToTheBucketSize) {
+  auto pass = make_bucket_allgathers(/*bucket_bytes=*/72);
+  int64_t rewrites = 0;
+  const std::string out = run_pass(*pass, kThreeGathers, &rewrites);
+  EXPECT_EQ(out, canonical(R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+param @2 "v" bytes=64
+%x = input bytes=16
+%g0 = gather @0 @1
+%w, %b = wait %g0
+%g2 = gather @2
+%v = wait %g2
+%y = compute "addmm" %b %x %w %v bytes=16
+release @0 @1 @2 after %y
+output %y
+)"));
+  EXPECT_EQ(rewrites, 1);
+  EXPECT_TRUE(verify(parse(out), VerifyOptions::structural()).empty());
+}
+
+TEST(BucketAllGathers, LargeBucketTakesAll) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  const std::string out = run_pass(*pass, kThreeGathers);
+  EXPECT_NE(out.find("%g0 = gather @0 @1 @2\n%w, %b, %v = wait %g0\n"), std::string::npos)
+      << out;
+}
+
+TEST(BucketAllGathers, ComputeBetweenGathersSplitsRuns) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  int64_t rewrites = -1;
+  const char* in = R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+%g0 = gather @0
+%w = wait %g0
+%y = compute "relu" %w bytes=64
+%g1 = gather @1
+%b = wait %g1
+%z = compute "add" %y %b bytes=64
+release @0 after %y
+release @1 after %z
+output %z
+)";
+  EXPECT_EQ(run_pass(*pass, in, &rewrites), canonical(in));
+  EXPECT_EQ(rewrites, 0);
+}
+
+}  // namespace
+}  // namespace sharc::ir

@@ -1,0 +1,70 @@
+#include <gtest/gtest.h>
+
+#include "pass_test_util.h"
+#include "sharc/passes.h"
+
+namespace sharc::ir {
+namespace {
+
+using testing::canonical;
+using testing::run_pass;
+
+TEST(InsertGatherRelease, GatherBeforeFirstUseReleaseAfterLastUse) {
+  auto pass = make_insert_gather_release();
+  int64_t rewrites = 0;
+  const std::string out = run_pass(*pass, R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+%x = input bytes=16
+%y = compute "mm" %x @0 bytes=16
+%z = compute "add" %y @1 bytes=16
+%u = compute "mm" %z @0 bytes=16
+output %u
+)", &rewrites);
+  EXPECT_EQ(out, canonical(R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+%x = input bytes=16
+%sharc_gather_0 = gather @0
+%sharc_full_0 = wait %sharc_gather_0
+%y = compute "mm" %x %sharc_full_0 bytes=16
+%sharc_gather_1 = gather @1
+%sharc_full_1 = wait %sharc_gather_1
+%z = compute "add" %y %sharc_full_1 bytes=16
+release @1 after %z
+%u = compute "mm" %z %sharc_full_0 bytes=16
+release @0 after %u
+output %u
+)"));
+  EXPECT_EQ(rewrites, 2);
+  // A parameter used twice is released once, after the second use.
+  EXPECT_TRUE(verify(parse(out), VerifyOptions{false, false, false}).empty());
+}
+
+TEST(InsertGatherRelease, TwoReadsInOneNode) {
+  auto pass = make_insert_gather_release();
+  const std::string out = run_pass(*pass, R"(
+param @0 "w" bytes=64
+%y = compute "gram" @0 @0 bytes=64
+output %y
+)");
+  EXPECT_EQ(out, canonical(R"(
+param @0 "w" bytes=64
+%sharc_gather_0 = gather @0
+%sharc_full_0 = wait %sharc_gather_0
+%y = compute "gram" %sharc_full_0 %sharc_full_0 bytes=64
+release @0 after %y
+output %y
+)"));
+}
+
+TEST(InsertGatherRelease, NothingToDo) {
+  auto pass = make_insert_gather_release();
+  int64_t rewrites = -1;
+  const char* in = "%x = input bytes=4\noutput %x\n";
+  EXPECT_EQ(run_pass(*pass, in, &rewrites), canonical(in));
+  EXPECT_EQ(rewrites, 0);
+}
+
+}  // namespace
+}  // namespace sharc::ir

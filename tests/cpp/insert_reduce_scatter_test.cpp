@@ -1,0 +1,64 @@
+#include <gtest/gtest.h>
+
+#include "pass_test_util.h"
+#include "sharc/passes.h"
+
+namespace sharc::ir {
+namespace {
+
+using testing::canonical;
+using testing::run_pass;
+
+const char* kBackward = R"(
+param @0 "a" bytes=40
+param @1 "b" bytes=40
+param @2 "c" bytes=200
+%dy = input bytes=16
+%da = compute "g" %dy bytes=40 grad=@0
+%t = compute "t" %dy bytes=16
+%db = compute "g" %t bytes=40 grad=@1
+%dc = compute "g" %t bytes=200 grad=@2
+output %t
+)";
+
+TEST(InsertReduceScatter, BucketsSmallGradientsAndPlacesAfterLastProducer) {
+  auto pass = make_insert_reduce_scatter(/*bucket_bytes=*/100);
+  int64_t rewrites = 0;
+  const std::string out = run_pass(*pass, kBackward, &rewrites);
+  EXPECT_EQ(out, canonical(R"(
+param @0 "a" bytes=40
+param @1 "b" bytes=40
+param @2 "c" bytes=200
+%dy = input bytes=16
+%da = compute "g" %dy bytes=40 grad=@0
+%t = compute "t" %dy bytes=16
+%db = compute "g" %t bytes=40 grad=@1
+reduce_scatter @0 @1 %da %db
+%dc = compute "g" %t bytes=200 grad=@2
+reduce_scatter @2 %dc
+output %t
+)"));
+  EXPECT_EQ(rewrites, 2);
+  EXPECT_TRUE(verify(parse(out)).empty());
+}
+
+TEST(InsertReduceScatter, TinyBucketsReduceEachGradientAlone) {
+  auto pass = make_insert_reduce_scatter(1);
+  int64_t rewrites = 0;
+  const std::string out = run_pass(*pass, kBackward, &rewrites);
+  EXPECT_EQ(rewrites, 3);
+  EXPECT_NE(out.find("%da = compute \"g\" %dy bytes=40 grad=@0\nreduce_scatter @0 %da\n"),
+            std::string::npos) << out;
+  EXPECT_TRUE(verify(parse(out)).empty());
+}
+
+TEST(InsertReduceScatter, NoGradientsNothingToDo) {
+  auto pass = make_insert_reduce_scatter(100);
+  int64_t rewrites = -1;
+  const char* in = "%x = input bytes=4\noutput %x\n";
+  EXPECT_EQ(run_pass(*pass, in, &rewrites), canonical(in));
+  EXPECT_EQ(rewrites, 0);
+}
+
+}  // namespace
+}  // namespace sharc::ir
