@@ -1,5 +1,6 @@
 #include "sharc/ir.h"
 
+#include <cctype>
 #include <sstream>
 
 #include "sharc/error.h"
@@ -103,7 +104,11 @@ void parse_attribute(Node& node, const std::string& key, const std::string& valu
 void parse_argument(Node& node, const std::string& tok, int lineno) {
   const size_t eq = tok.find('=');
   if (eq != std::string::npos) {
-    parse_attribute(node, tok.substr(0, eq), tok.substr(eq + 1), lineno);
+    try {
+      parse_attribute(node, tok.substr(0, eq), tok.substr(eq + 1), lineno);
+    } catch (const std::logic_error&) {  // std::stoll / std::stod on a bad number
+      throw Error(detail::concat("sharc ir line ", lineno, ": bad value in '", tok, "'"));
+    }
   } else if (tok[0] == '%') {
     node.operands.push_back(Operand::of_value(tok.substr(1)));
   } else if (tok[0] == '@') {

@@ -79,6 +79,8 @@ TEST(IrText, BadInputNamesTheLine) {
   EXPECT_THROW(parse("param @0 \"w\" bytes=4\nparam @0 \"v\" bytes=4\n"), Error);
   EXPECT_THROW(parse("%x = compute \"mm\" bogus=1\n"), Error);
   EXPECT_THROW(parse("%g = gather @x\n"), Error);
+  EXPECT_THROW(parse("%x = input bytes=lots\n"), Error);
+  EXPECT_THROW(parse("%x = compute \"a\" cost=\n"), Error);
   EXPECT_THROW(parse("%x = compute \"unterminated\n"), Error);
 }
 
