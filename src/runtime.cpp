@@ -185,16 +185,6 @@ std::string Runtime::state(int64_t id) {
   return to_string(param(id).state.state());
 }
 
-int64_t Runtime::holds(int64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return param(id).state.holds();
-}
-
-int64_t Runtime::num_params() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<int64_t>(params_.size());
-}
-
 ShardLayout Runtime::layout(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return param(id).layout;

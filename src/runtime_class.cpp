@@ -20,12 +20,6 @@ void forget_group(std::string group_name) {
   RuntimeTable::instance().forget(group_name);
 }
 
-std::vector<int64_t> layout_of(const c10::intrusive_ptr<Runtime>& self, int64_t id) {
-  const ShardLayout l = self->layout(id);
-  return {l.numel, l.shard_numel(), l.padded_numel(), l.shard_offset(),
-          l.valid_numel()};
-}
-
 }  // namespace
 }  // namespace sharc
 
@@ -43,12 +37,9 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)
-      .def("holds", &sharc::Runtime::holds)
-      .def("num_params", &sharc::Runtime::num_params)
       .def("stats", &sharc::Runtime::stats)
       .def("reset_stats", &sharc::Runtime::reset_stats)
       .def("rank", [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->rank(); })
       .def("world_size",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->world_size(); })
-      .def("layout", &sharc::layout_of);
+           [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->world_size(); });
 }

@@ -70,8 +70,6 @@ class Runtime : public torch::CustomClassHolder {
   /// The padded flat buffer (its storage holds 0 bytes while not gathered).
   at::Tensor padded_base(int64_t id);
   std::string state(int64_t id);
-  int64_t holds(int64_t id);
-  int64_t num_params();
 
   c10::Dict<std::string, int64_t> stats();
   void reset_stats();

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import time
 import traceback
 
 
@@ -64,8 +65,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool
 
 
 def _collect(pipes, procs, timeout):
-    import time
-
     deadline = time.monotonic() + timeout
     results = []
     for rank, (conn, proc) in enumerate(zip(pipes, procs)):
