@@ -5,6 +5,11 @@
 //       Blocking all-gather of one parameter; takes one hold on its buffer and
 //       returns the true-shape full tensor (an alias of the runtime's buffer).
 //       Its gradient is reduce_scatter of the full gradient.
+//   all_gather(shard, shape, group, param) -> full
+//       The functional form captured by torch.compile: the full tensor is a
+//       copy of its own, so any compiler may treat it as an ordinary value.
+//       sharc's backend replaces it with start_gather / wait_gather / release
+//       (schedule_ops.cpp) placed by its passes. Gradient: reduce_scatter.
 //   reduce_scatter(grad, group, param) -> shard_grad
 //       Sum over the group, divided by the world size, this rank's flat slice.
 
@@ -25,6 +30,15 @@ at::Tensor gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
   return runtime->gather(param);
 }
 
+at::Tensor all_gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
+                             const std::string& group, int64_t param) {
+  auto runtime = RuntimeTable::instance().get(group);
+  runtime->check_shard(param, shard);
+  at::Tensor full = runtime->gather(param).clone();
+  runtime->release(param);
+  return full;
+}
+
 at::Tensor gather_meta(const at::Tensor& shard, c10::IntArrayRef shape,
                        const std::string& group, int64_t param) {
   (void)group;
@@ -43,14 +57,6 @@ at::Tensor reduce_scatter_meta(const at::Tensor& grad, const std::string& group,
   return at::empty({layout.shard_numel()}, grad.options().device(c10::kMeta));
 }
 
-at::Tensor call_gather(const at::Tensor& shard, c10::IntArrayRef shape,
-                       const std::string& group, int64_t param) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("sharc::gather", "")
-                       .typed<decltype(gather_kernel)>();
-  return op.call(shard, shape, group, param);
-}
-
 at::Tensor call_reduce_scatter(const at::Tensor& grad, const std::string& group,
                                int64_t param) {
   static auto op = c10::Dispatcher::singleton()
@@ -59,9 +65,11 @@ at::Tensor call_reduce_scatter(const at::Tensor& grad, const std::string& group,
   return op.call(grad, group, param);
 }
 
-// d(full)/d(shard): the full gradient, summed over ranks and averaged, lands
-// in the owning rank's shard; autograd accumulates it into shard.grad.
-class GatherFunction : public torch::autograd::Function<GatherFunction> {
+// d(full)/d(shard) for both gathers: the full gradient, summed over ranks and
+// averaged, lands in the owning rank's shard; autograd accumulates it into
+// shard.grad. `OpName` names the forward operator to call below autograd.
+template <const char* OpName>
+class GatherFunction : public torch::autograd::Function<GatherFunction<OpName>> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx,
                             const at::Tensor& shard, c10::IntArrayRef shape,
@@ -69,7 +77,10 @@ class GatherFunction : public torch::autograd::Function<GatherFunction> {
     ctx->saved_data["group"] = group;
     ctx->saved_data["param"] = param;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_gather(shard, shape, group, param);
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow(OpName, "")
+                         .typed<decltype(gather_kernel)>();
+    return op.call(shard, shape, group, param);
   }
 
   static torch::autograd::variable_list backward(
@@ -82,9 +93,13 @@ class GatherFunction : public torch::autograd::Function<GatherFunction> {
   }
 };
 
+constexpr char kGather[] = "sharc::gather";
+constexpr char kAllGather[] = "sharc::all_gather";
+
+template <const char* OpName>
 at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
                            const std::string& group, int64_t param) {
-  return GatherFunction::apply(shard, shape, group, param);
+  return GatherFunction<OpName>::apply(shard, shape, group, param);
 }
 
 }  // namespace
@@ -92,24 +107,29 @@ at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
 
 TORCH_LIBRARY(sharc, m) {
   m.def("gather(Tensor shard, int[] shape, str group, int param) -> Tensor");
+  m.def("all_gather(Tensor shard, int[] shape, str group, int param) -> Tensor");
   m.def("reduce_scatter(Tensor grad, str group, int param) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sharc, CPU, m) {
   m.impl("gather", sharc::gather_kernel);
+  m.impl("all_gather", sharc::all_gather_kernel);
   m.impl("reduce_scatter", sharc::reduce_scatter_kernel);
 }
 
 TORCH_LIBRARY_IMPL(sharc, CUDA, m) {
   m.impl("gather", sharc::gather_kernel);
+  m.impl("all_gather", sharc::all_gather_kernel);
   m.impl("reduce_scatter", sharc::reduce_scatter_kernel);
 }
 
 TORCH_LIBRARY_IMPL(sharc, Meta, m) {
   m.impl("gather", sharc::gather_meta);
+  m.impl("all_gather", sharc::gather_meta);
   m.impl("reduce_scatter", sharc::reduce_scatter_meta);
 }
 
 TORCH_LIBRARY_IMPL(sharc, Autograd, m) {
-  m.impl("gather", sharc::gather_autograd);
+  m.impl("gather", sharc::gather_autograd<sharc::kGather>);
+  m.impl("all_gather", sharc::gather_autograd<sharc::kAllGather>);
 }

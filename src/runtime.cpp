@@ -1,5 +1,7 @@
 #include "sharc/runtime.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
@@ -87,6 +89,11 @@ void Runtime::start_gather_locked(ShardedParam& p) {
 }
 
 void Runtime::finish_gather_locked(ShardedParam& p) {
+  if (p.bucket) {
+    std::shared_ptr<BucketGather> bucket = p.bucket;  // outlives the resets below
+    finish_bucket_locked(*bucket);
+    return;
+  }
   if (p.pending) {
     RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
     p.pending->wait();
@@ -95,9 +102,85 @@ void Runtime::finish_gather_locked(ShardedParam& p) {
   p.state.finish_gather();
 }
 
+void Runtime::start_bucket_locked(const std::vector<int64_t>& ids) {
+  RECORD_FUNCTION("sharc::all_gather_bucket", std::vector<c10::IValue>());
+  auto bucket = std::make_shared<BucketGather>();
+  std::vector<at::Tensor> shards;
+  int64_t row = 0;
+  for (int64_t id : ids) {
+    ShardedParam* p = &param(id);
+    p->state.begin_gather();
+    c10::Storage storage = p->base.storage();
+    allocate_storage(storage, p->full_bytes());
+    accounting_.on_gathered(p->full_bytes());
+    bucket->offsets.push_back(row);
+    row += p->layout.shard_numel();
+    shards.push_back(p->shard.detach());
+    p->bucket = bucket;
+  }
+  bucket->ids = ids;
+  at::Tensor input = at::cat(shards);
+  bucket->staging = at::empty({comm_.world_size() * row}, input.options());
+  accounting_.on_gathered(bucket->staging.nbytes());
+  bucket->work = comm_.all_gather(bucket->staging, input);
+  accounting_.on_allgather_sent((comm_.world_size() - 1) * static_cast<int64_t>(input.nbytes()));
+}
+
+void Runtime::finish_bucket_locked(BucketGather& bucket) {
+  RECORD_FUNCTION("sharc::wait_gather_bucket", std::vector<c10::IValue>());
+  bucket.work->wait();
+  const int64_t world = comm_.world_size();
+  at::Tensor rows = bucket.staging.view({world, -1});
+  for (size_t i = 0; i < bucket.ids.size(); ++i) {
+    ShardedParam& p = param(bucket.ids[i]);
+    const int64_t width = p.layout.shard_numel();
+    p.base.view({world, width}).copy_(rows.narrow(1, bucket.offsets[i], width));
+    p.state.finish_gather();
+    p.bucket.reset();
+  }
+  accounting_.on_freed(bucket.staging.nbytes());
+  bucket.staging = at::Tensor();
+  bucket.work.reset();
+}
+
 void Runtime::start_gather(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   start_gather_locked(param(id));
+}
+
+void Runtime::start_gather_bucket(const std::vector<int64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> idle;  // neither gathered nor in flight
+  for (int64_t id : ids) {
+    const ParamState s = param(id).state.state();
+    if (s == ParamState::Sharded || s == ParamState::Released) idle.push_back(id);
+  }
+  const at::TensorOptions first =
+      idle.empty() ? at::TensorOptions() : param(idle[0]).shard.options();
+  const bool fusable = idle.size() > 1 &&
+      std::all_of(idle.begin(), idle.end(), [&](int64_t id) {
+        return param(id).shard.options().type_equal(first);
+      });
+  if (fusable) {
+    start_bucket_locked(idle);
+    return;
+  }
+  for (int64_t id : idle) start_gather_locked(param(id));
+}
+
+std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> fulls;
+  for (int64_t id : ids) {
+    ShardedParam& p = param(id);
+    SHARC_CHECK(p.state.state() != ParamState::Sharded &&
+                p.state.state() != ParamState::Released,
+                "sharc: waiting on '", p.name, "', whose gather was never started");
+    if (p.state.state() == ParamState::Gathering) finish_gather_locked(p);
+    p.state.acquire();
+    fulls.push_back(full_view(p));
+  }
+  return fulls;
 }
 
 at::Tensor Runtime::gather(int64_t id) {
@@ -125,31 +208,59 @@ void Runtime::release(int64_t id) {
   }
 }
 
-at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
-  RECORD_FUNCTION("sharc::reduce_scatter", std::vector<c10::IValue>());
-  ShardLayout layout;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ShardedParam& p = param(id);
-    SHARC_CHECK(full_grad.numel() == p.layout.numel, "sharc: gradient of '",
-                p.name, "' has ", full_grad.numel(), " elements, expected ",
-                p.layout.numel);
-    layout = p.layout;
-  }
+at::Tensor Runtime::pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const {
+  SHARC_CHECK(full_grad.numel() == p.layout.numel, "sharc: gradient of '", p.name,
+              "' has ", full_grad.numel(), " elements, expected ", p.layout.numel);
   // The collective may overwrite its input (gloo reduces in place), so the
   // padded input is always a buffer of our own.
-  at::Tensor padded = at::empty({layout.padded_numel()}, full_grad.options());
-  padded.narrow(0, 0, layout.numel).copy_(full_grad.reshape({-1}));
-  padded.narrow(0, layout.numel, layout.padding()).zero_();
-  at::Tensor out = at::empty({layout.shard_numel()}, full_grad.options());
-  if (layout.padded_numel() > 0) {
-    comm_.reduce_scatter_sum(out, padded)->wait();
-    out.div_(comm_.world_size());
+  at::Tensor padded = at::empty({p.layout.padded_numel()}, full_grad.options());
+  padded.narrow(0, 0, p.layout.numel).copy_(full_grad.reshape({-1}));
+  padded.narrow(0, p.layout.numel, p.layout.padding()).zero_();
+  return padded;
+}
+
+at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
+  return reduce_scatter_bucket({id}, {full_grad})[0];
+}
+
+std::vector<at::Tensor> Runtime::reduce_scatter_bucket(const std::vector<int64_t>& ids,
+                                                       const std::vector<at::Tensor>& full_grads) {
+  RECORD_FUNCTION("sharc::reduce_scatter", std::vector<c10::IValue>());
+  SHARC_CHECK(ids.size() == full_grads.size() && !ids.empty(), "sharc: reduce_scatter got ",
+              ids.size(), " parameters and ", full_grads.size(), " gradients");
+  const int64_t world = comm_.world_size();
+  std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
+  std::vector<int64_t> widths;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const ShardedParam& p = param(ids[i]);
+      rows.push_back(pad_grad(p, full_grads[i]).view({world, p.layout.shard_numel()}));
+      widths.push_back(p.layout.shard_numel());
+    }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  accounting_.on_reduce_scatter_sent((comm_.world_size() - 1) * out.numel() *
-                                     static_cast<int64_t>(out.element_size()));
-  return out;
+  // Rank-major input: row r holds rank r's slice of every gradient.
+  at::Tensor input = rows.size() == 1 ? rows[0] : at::cat(rows, 1);
+  at::Tensor out = at::empty({input.size(1)}, input.options());
+  if (out.numel() > 0) {
+    at::Tensor flat = input.contiguous().view({-1});
+    comm_.reduce_scatter_sum(out, flat)->wait();
+    out.div_(world);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(out.nbytes()));
+  }
+  if (widths.size() == 1) return {out};
+  // Each shard gradient gets storage of its own: compilers assume a kernel's
+  // outputs are separate, aligned buffers.
+  std::vector<at::Tensor> shards;
+  int64_t offset = 0;
+  for (int64_t width : widths) {
+    shards.push_back(out.narrow(0, offset, width).clone());
+    offset += width;
+  }
+  return shards;
 }
 
 at::Tensor Runtime::full_view(const ShardedParam& p) const {
@@ -178,6 +289,12 @@ void Runtime::set_persistent(int64_t id, bool persistent) {
 at::Tensor Runtime::padded_base(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return param(id).base;
+}
+
+at::Tensor Runtime::meta_full(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const ShardedParam& p = param(id);
+  return at::empty(p.shape, p.shard.options().device(c10::kMeta));
 }
 
 std::string Runtime::state(int64_t id) {

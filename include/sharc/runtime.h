@@ -22,6 +22,16 @@
 
 namespace sharc {
 
+/// One all-gather collective serving several parameters (a bucket): their
+/// shards are concatenated, gathered into one rank-major staging buffer and
+/// copied out into each parameter's own buffer when the bucket is waited.
+struct BucketGather {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor staging;            ///< world_size rows of the concatenated shards
+  std::vector<int64_t> ids;      ///< parameters served, in staging order
+  std::vector<int64_t> offsets;  ///< each one's column offset within a row
+};
+
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
 struct ShardedParam {
   ShardedParam(std::string name, std::vector<int64_t> shape, ShardLayout layout,
@@ -34,6 +44,7 @@ struct ShardedParam {
   at::Tensor base;   ///< padded flat buffer; its storage holds 0 bytes unless gathered
   ParamStateMachine state;
   c10::intrusive_ptr<c10d::Work> pending;  ///< the gather in flight, if any
+  std::shared_ptr<BucketGather> bucket;     ///< or the bucket it travels in
 
   int64_t full_bytes() const;
 };
@@ -57,6 +68,12 @@ class Runtime : public torch::CustomClassHolder {
   /// Blocks until the parameter is gathered (starting the gather if none is in
   /// flight), takes one hold and returns the true-shape full view.
   at::Tensor gather(int64_t id);
+  /// Non-blocking: starts one all-gather for all of `ids` that are sharded or
+  /// released (others are already gathered or in flight and are skipped).
+  void start_gather_bucket(const std::vector<int64_t>& ids);
+  /// Blocks until every one of `ids` is gathered, takes one hold on each and
+  /// returns their true-shape full views (the compiled path's wait).
+  std::vector<at::Tensor> wait_gather(const std::vector<int64_t>& ids);
   /// Drops one hold; the last one frees the buffer's bytes (not for
   /// persistent parameters). Does not communicate.
   void release(int64_t id);
@@ -64,12 +81,19 @@ class Runtime : public torch::CustomClassHolder {
   /// size and returns this rank's flat shard of it.
   at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);
 
+  /// reduce_scatter for several gradients in one collective; returns each
+  /// parameter's flat shard gradient, in the order of `ids`.
+  std::vector<at::Tensor> reduce_scatter_bucket(const std::vector<int64_t>& ids,
+                                                const std::vector<at::Tensor>& full_grads);
+
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
 
   /// The padded flat buffer (its storage holds 0 bytes while not gathered).
   at::Tensor padded_base(int64_t id);
   std::string state(int64_t id);
+  /// A meta tensor shaped and typed like parameter `id`'s full value.
+  at::Tensor meta_full(int64_t id);
 
   c10::Dict<std::string, int64_t> stats();
   void reset_stats();
@@ -86,7 +110,10 @@ class Runtime : public torch::CustomClassHolder {
  private:
   ShardedParam& param(int64_t id);
   void start_gather_locked(ShardedParam& p);
+  void start_bucket_locked(const std::vector<int64_t>& ids);
   void finish_gather_locked(ShardedParam& p);
+  void finish_bucket_locked(BucketGather& bucket);
+  at::Tensor pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const;
   at::Tensor full_view(const ShardedParam& p) const;
 
   Communicator comm_;

@@ -1,11 +1,15 @@
 """sharc: ZeRO-3 sharded training for PyTorch with a C++ core."""
 
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
+from sharc import _compile
 from sharc.api import memory_stats, reset_memory_stats, shard
-from sharc.config import ShardConfig
+from sharc.config import CompileConfig, ShardConfig
 from sharc.state_dict import full_state_dict, load_full_state_dict
 
+_compile.register()  # torch.compile(model, backend="sharc")
+
 __all__ = [
+    "CompileConfig",
     "ShardConfig",
     "full_state_dict",
     "load_full_state_dict",

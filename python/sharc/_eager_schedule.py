@@ -61,6 +61,16 @@ class EagerSchedule:
         self._end_of_backward_queued = False
 
     # -- forward scopes -------------------------------------------------
+    # Inside a compiled frame the module hooks do nothing: reads are captured
+    # as all-gathers that the compiled graph schedules itself.
+    def forward_pre_hook(self, *_) -> None:
+        if not torch.compiler.is_compiling():
+            self.enter_scope()
+
+    def forward_hook(self, *_) -> None:
+        if not torch.compiler.is_compiling():
+            self.exit_scope()
+
     # Scopes and reads are disabled for torch.compile: inside a frame compiled
     # by a backend other than sharc's, they run eagerly at a graph break, so
     # every gather is still matched by its release.

@@ -19,7 +19,12 @@ from sharc._param_ref import ShardedParamRef
 
 def _full_param_property(name: str) -> property:
     def get(module: torch.nn.Module) -> torch.Tensor:
-        return module._sharc_schedule.read(module._sharc_refs[name])
+        ref = module._sharc_refs[name]
+        if torch.compiler.is_compiling():
+            # Captured as a functional all-gather; sharc's backend schedules
+            # it (see sharc/_compile), any other backend sees a plain value.
+            return ref.all_gather_op()
+        return module._sharc_schedule.read(ref)
 
     return property(get, doc=f"The full (gathered) parameter '{name}'.")
 

@@ -21,3 +21,8 @@ class ShardedParamRef:
         """The autograd-aware gather: its gradient is a reduce-scatter into
         the shard."""
         return torch.ops.sharc.gather(self.shard, list(self.shape), self.group_name, self.pid)
+
+    def all_gather_op(self) -> torch.Tensor:
+        """The functional gather that compiled graphs capture: a full tensor
+        of its own, gradient reduce-scattered into the shard."""
+        return torch.ops.sharc.all_gather(self.shard, list(self.shape), self.group_name, self.pid)

@@ -53,8 +53,8 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     for sub, refs in per_module.items():
         _full_param_access.install(sub, refs, schedule)
     for sub in set(per_module) | {module}:
-        sub.register_forward_pre_hook(lambda *_: schedule.enter_scope())
-        sub.register_forward_hook(lambda *_: schedule.exit_scope(), always_call=True)
+        sub.register_forward_pre_hook(schedule.forward_pre_hook)
+        sub.register_forward_hook(schedule.forward_hook, always_call=True)
     object.__setattr__(module, "_sharc_root", _ShardedRoot(group, runtime, refs_by_param))
     return module
 

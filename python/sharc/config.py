@@ -1,5 +1,6 @@
 """User-facing configuration, validated once."""
 
+import os
 from dataclasses import dataclass
 
 
@@ -16,3 +17,61 @@ class ShardConfig:
         if not isinstance(self.verify_replicas, bool):
             raise TypeError(
                 f"ShardConfig.verify_replicas must be a bool, got {self.verify_replicas!r}")
+
+
+_PASSES = ("regather_in_backward", "insert_gather_release", "bucket_allgathers",
+           "insert_reduce_scatter")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    """How the "sharc" torch.compile backend schedules and compiles graphs.
+
+    Pass it as `torch.compile(model, backend="sharc", options={...})` with
+    these field names, or read from the environment (`from_env`)."""
+
+    inductor: bool = True
+    """Compile the scheduled graphs with Inductor; False runs them as plain
+    FX graphs (for debugging a schedule)."""
+
+    gather_bucket_bytes: int = 1 << 20
+    """Adjacent gathers are fused into one all-gather up to this many bytes."""
+
+    reduce_bucket_bytes: int = 4 << 20
+    """Gradients are reduce-scattered together up to this many bytes."""
+
+    disable_passes: tuple[str, ...] = ()
+    """Passes switched off by name (the bucketing passes may be; switching off
+    a pass the schedule's rules depend on is an error at compile time)."""
+
+    dump_ir: str | None = None
+    """A directory: each graph's IR before and after every pass is written
+    there (env SHARC_DUMP_IR)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inductor, bool):
+            raise TypeError(f"CompileConfig.inductor must be a bool, got {self.inductor!r}")
+        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"CompileConfig.{name} must be an int >= 0, got {value!r}")
+        self.disable_passes = tuple(self.disable_passes)
+        unknown = [p for p in self.disable_passes if p not in _PASSES]
+        if unknown:
+            raise ValueError(f"CompileConfig.disable_passes: unknown pass {unknown[0]!r}; "
+                             f"the passes are {', '.join(_PASSES)}")
+
+    @classmethod
+    def from_options(cls, options: dict | None) -> "CompileConfig":
+        """Environment defaults, overridden by torch.compile's `options`."""
+        fields = {}
+        if os.environ.get("SHARC_DUMP_IR"):
+            fields["dump_ir"] = os.environ["SHARC_DUMP_IR"]
+        if os.environ.get("SHARC_COMPILE_INDUCTOR") == "0":
+            fields["inductor"] = False
+        fields.update(options or {})
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown sharc compile option {unknown[0]!r}; the options are "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**fields)

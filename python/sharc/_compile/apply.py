@@ -1,0 +1,118 @@
+"""Scheduled IR -> FX graph: the bridge's way back.
+
+Walks the scheduled nodes in order and builds a new graph: compute nodes are
+copied from the original, gathers, waits and releases become
+sharc.start_gather / wait_gather / release calls, and reduce_scatter buckets
+become sharc.reduce_scatter_bucket calls whose elements replace the original
+per-parameter reductions at the graph output.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from sharc._compile.lower import LoweredGraph
+from sharc._compile.ops import (RELEASE, REDUCE_SCATTER_BUCKET, START_GATHER, WAIT_GATHER,
+                                is_tensor)
+
+
+def _split(field: str) -> list[str]:
+    return field.split(",") if field else []
+
+
+class _Rebuild:
+    def __init__(self, original: fx.Graph, lowered: LoweredGraph):
+        self.original = original
+        self.lowered = lowered
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}   # original node -> new node
+        self.by_value: dict[str, fx.Node] = {}  # IR value -> new node
+        self.full: dict[int, fx.Node] = {}      # IR param -> its gathered value now
+        self.in_flight: dict[str, list[int]] = {}  # gather value -> its IR params
+
+    def run(self, nodes: list[list[str]]) -> fx.Graph:
+        for node in self.original.nodes:
+            if node.op == "placeholder":
+                self._bind(node, self.graph.node_copy(node))
+        for kind, outputs, operands, params in nodes:
+            handler = getattr(self, f"_{kind}")
+            handler(_split(outputs), _split(operands), [int(p) for p in _split(params)])
+        output = self.original.output_node()
+        self.graph.node_copy(output, lambda n: self.env[n])
+        return self.graph
+
+    def _bind(self, original: fx.Node, new: fx.Node) -> None:
+        self.env[original] = new
+        self.by_value[original.name] = new
+
+    def _value(self, operand: str) -> fx.Node:
+        return self.by_value[operand[1:]]
+
+    def _call(self, target, args, val=None) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        if val is not None:
+            node.meta["val"] = val
+        return node
+
+    def _slots(self, params: list[int]):
+        slots = [self.lowered.slots[p] for p in params]
+        return slots, slots[0].group, [s.pid for s in slots]
+
+    # -- one handler per IR node kind --------------------------------------
+    def _input(self, outputs, operands, params) -> None:
+        pass  # placeholders were copied first, in their original order
+
+    def _output(self, outputs, operands, params) -> None:
+        pass  # copied last, from the original
+
+    def _compute(self, outputs, operands, params) -> None:
+        name = outputs[0]
+        if name in self.lowered.grad_markers:  # the gradient is its operand
+            self.by_value[name] = self._value(operands[0]) if operands[0][0] == "%" \
+                else self.full[int(operands[0][1:])]
+            return
+        original = self.lowered.values[name]
+        if original.target is operator.getitem and original.args[0] in self.lowered.folded:
+            original = original.args[0]
+        self._bind(original, self.graph.node_copy(original, lambda n: self.env[n]))
+        for item in self.lowered.folded.get(original, []):
+            self._bind(item, self.graph.node_copy(item, lambda n: self.env[n]))
+
+    def _gather(self, outputs, operands, params) -> None:
+        slots, group, pids = self._slots(params)
+        shards = [self.env[s.shard] for s in slots]
+        self.by_value[outputs[0]] = self._call(START_GATHER, (shards, group, pids))
+        self.in_flight[outputs[0]] = params
+
+    def _wait(self, outputs, operands, params) -> None:  # a wait names its gather only
+        slots, group, pids = self._slots(self.in_flight.pop(operands[0][1:]))
+        waited = self._call(WAIT_GATHER, (self._value(operands[0]), group, pids),
+                            [s.gathers[0].meta.get("val") for s in slots])
+        for i, (slot, name) in enumerate(zip(slots, outputs)):
+            full = self._call(operator.getitem, (waited, i), slot.gathers[0].meta.get("val"))
+            self.full[slot.ir_id] = self.by_value[name] = full
+            for gather in slot.gathers:
+                self.env[gather] = full
+
+    def _release(self, outputs, operands, params) -> None:
+        after = [self._value(o) for o in operands if o[0] == "%"]
+        after = [n for n in after if is_tensor(n)]
+        for slot in (self.lowered.slots[p] for p in params):
+            self._call(RELEASE, (self.full[slot.ir_id], after, slot.group, slot.pid))
+
+    def _reduce_scatter(self, outputs, operands, params) -> None:
+        slots, group, pids = self._slots(params)
+        grads = [self._value(o) for o in operands]
+        vals = [s.reductions[0].meta.get("val") for s in slots]
+        bucket = self._call(REDUCE_SCATTER_BUCKET, (grads, group, pids), vals)
+        for i, slot in enumerate(slots):
+            shard_grad = self._call(operator.getitem, (bucket, i), vals[i])
+            for reduction in slot.reductions:
+                self.env[reduction] = shard_grad
+
+
+def rebuild(original: fx.Graph, lowered: LoweredGraph, nodes: list[list[str]]) -> fx.Graph:
+    """The new graph for `original` scheduled as `nodes` (Scheduler output)."""
+    return _Rebuild(original, lowered).run(nodes)

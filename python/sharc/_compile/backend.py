@@ -1,0 +1,72 @@
+"""The "sharc" torch.compile backend.
+
+AOTAutograd splits each Dynamo graph into forward and backward graphs; a
+joint-graph pass first tells the partitioner to recompute gathers in backward
+(recompute.py). Each graph then goes through sharc's scheduler
+(schedule.py) and on to Inductor, or runs as a plain FX graph when
+`inductor=False`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx as fx
+
+from sharc._compile.recompute import RecomputeGathers, mark_gathers_for_recompute
+from sharc._compile.schedule import schedule_graph
+from sharc.config import CompileConfig
+
+
+def sharc_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
+    """Entry point torch.compile calls (`backend="sharc"`)."""
+    config = CompileConfig.from_options(options)
+    if config.inductor:
+        return _compile_with_inductor(gm, example_inputs, config)
+    return _compile_without_inductor(gm, example_inputs, config)
+
+
+def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(graph_module, inputs, **kwargs):
+        kind = "backward" if kwargs.get("is_backward") else "forward"
+        return compile_fx_inner(schedule_graph(graph_module, config, kind), inputs, **kwargs)
+
+    # Caches are keyed by graphs before sharc rewrites them, and what sharc
+    # bakes in (group names, parameter ids, buckets) is per process.
+    with inductor_config.patch(joint_custom_pre_pass=RecomputeGathers(),
+                               fx_graph_cache=False, autotune_local_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind):
+        def compile_graph(graph_module, inputs):
+            return make_boxed_func(schedule_graph(graph_module, config, kind).forward)
+        return compile_graph
+
+    def partition(joint, joint_inputs, **kwargs):
+        mark_gathers_for_recompute(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                           partition_fn=partition, keep_inference_input_mutations=True)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return backend(gm, example_inputs)
+
+
+@functools.cache
+def register() -> None:
+    """Makes backend="sharc" available (also reachable through the
+    torch_dynamo_backends entry point)."""
+    from torch._dynamo.backends import registry
+
+    if "sharc" not in registry._COMPILER_FNS:  # the entry point may have loaded it
+        registry.register_backend(compiler_fn=sharc_backend, name="sharc")

@@ -1,0 +1,158 @@
+"""FX graph -> sharc scheduling IR (the text form of include/sharc/ir.h).
+
+What the IR keeps of a graph: every node in order with the values it reads
+and the bytes it produces; each all_gather becomes a direct read of its
+parameter (`@i`), so the passes decide where gathers, waits and releases go;
+each reduce_scatter becomes a gradient marker (`grad=@i`), so the passes
+decide how gradients are bucketed. Nodes that read a view of a gathered
+parameter also read the parameter, so its release waits for them.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from sharc._compile.errors import SharcCompileError
+from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, is_call, is_view, param_key,
+                                tensor_bytes)
+
+
+@dataclass
+class ParamSlot:
+    """One sharded parameter as one graph sees it."""
+
+    ir_id: int
+    group: str
+    pid: int
+    bytes: int
+    shard: fx.Node | None = None  # the shard the graph gathers from
+    gathers: list[fx.Node] = field(default_factory=list)
+    reductions: list[fx.Node] = field(default_factory=list)
+
+
+@dataclass
+class LoweredGraph:
+    text: str
+    slots: dict[int, ParamSlot]
+    values: dict[str, fx.Node]  # IR value name -> the FX node it stands for
+    grad_markers: dict[str, fx.Node]  # IR marker name -> its reduce_scatter node
+    folded: dict[fx.Node, list[fx.Node]]  # multi-output node -> its getitems
+
+
+class _Lowering:
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.slots: dict[tuple[str, int], ParamSlot] = {}
+        self.aliases: dict[fx.Node, int] = {}  # views of gathered parameters
+        self.lines: list[str] = []
+        self.values: dict[str, fx.Node] = {}
+        self.grad_markers: dict[str, fx.Node] = {}
+        self.folded: dict[fx.Node, list[fx.Node]] = {}
+
+    def run(self) -> LoweredGraph:
+        self._collect_params()
+        body = [line for node in self.graph.nodes for line in self._lower(node)]
+        header = [f'param @{s.ir_id} "{s.group}/{s.pid}" bytes={s.bytes}'
+                  for s in self.slots.values()]
+        slots = {s.ir_id: s for s in self.slots.values()}
+        return LoweredGraph("\n".join(header + body) + "\n", slots, self.values,
+                            self.grad_markers, self.folded)
+
+    def _slot(self, node: fx.Node, bytes_: int) -> ParamSlot:
+        key = param_key(node)
+        if key not in self.slots:
+            self.slots[key] = ParamSlot(len(self.slots), *key, bytes_)
+        return self.slots[key]
+
+    def _collect_params(self) -> None:
+        for node in self.graph.nodes:
+            if is_call(node, ALL_GATHER):
+                slot = self._slot(node, tensor_bytes(node))
+                slot.gathers.append(node)
+                slot.shard = slot.shard or node.args[0]
+            elif is_call(node, REDUCE_SCATTER):
+                self._slot(node, tensor_bytes(node.args[0])).reductions.append(node)
+                if any(u.op != "output" for u in node.users):
+                    raise SharcCompileError(
+                        f"sharc: reduced gradient '{node.name}' is read inside the graph; "
+                        "this is a sharc bug, please report it with the model")
+            elif is_view(node) and node.args[0] in self.aliases:
+                self.aliases[node] = self.aliases[node.args[0]]
+            if is_call(node, ALL_GATHER):
+                self.aliases[node] = self.slots[param_key(node)].ir_id
+        if len({s.group for s in self.slots.values()}) > 1:
+            raise SharcCompileError(
+                "sharc: one compiled graph reads parameters sharded over more than one "
+                "process group; compile each sharded model separately")
+
+    def _operands(self, node: fx.Node) -> list[str]:
+        ops = []
+        for inp in node.all_input_nodes:
+            if is_call(inp, ALL_GATHER):
+                ops.append(f"@{self.aliases[inp]}")
+                continue
+            ops.append(f"%{inp.name}")
+            if inp in self.aliases:
+                ops.append(f"@{self.aliases[inp]}")
+        return ops
+
+    def _lower(self, node: fx.Node) -> list[str]:
+        if node.op == "placeholder":
+            self.values[node.name] = node
+            return [f"%{node.name} = input bytes={tensor_bytes(node)}"]
+        if node.op == "output":
+            return [self._lower_output(node)]
+        if is_call(node, ALL_GATHER) or self._is_folded_getitem(node):
+            return []
+        if is_call(node, REDUCE_SCATTER):
+            return [self._lower_reduction(node)]
+        return [self._lower_compute(node)]
+
+    def _lower_reduction(self, node: fx.Node) -> str:
+        slot = self.slots[param_key(node)]
+        marker = f"sharc_grad_{node.name}"
+        self.grad_markers[marker] = node
+        grad = node.args[0]
+        operand = f"@{self.aliases[grad]}" if is_call(grad, ALL_GATHER) else f"%{grad.name}"
+        return (f'%{marker} = compute "grad" {operand} '
+                f"bytes={tensor_bytes(grad)} grad=@{slot.ir_id}")
+
+    def _lower_compute(self, node: fx.Node) -> str:
+        outputs = [node]
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            items = sorted((u for u in node.users if u.target is operator.getitem),
+                           key=lambda u: u.args[1])
+            if items:
+                self.folded[node] = items
+                outputs = items
+        for out in outputs:
+            self.values[out.name] = node if out is node else out
+        names = ", ".join(f"%{o.name}" for o in outputs)
+        op = re.sub(r"[^A-Za-z0-9_.]", "", getattr(node.target, "__name__", str(node.target)))
+        op = str(node.target) if isinstance(node.target, torch._ops.OpOverload) else op
+        args = " ".join(self._operands(node))
+        return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}'.replace("  ", " ")
+
+    def _is_folded_getitem(self, node: fx.Node) -> bool:
+        return node.target is operator.getitem and node.args[0] in self.folded
+
+    def _lower_output(self, node: fx.Node) -> str:
+        operands = []
+        for value in node.all_input_nodes:
+            if is_call(value, REDUCE_SCATTER):
+                continue  # shard gradients leave through their bucket
+            if is_call(value, ALL_GATHER) or value in self.aliases:
+                raise SharcCompileError(
+                    f"sharc: graph output '{value.name}' is a gathered parameter; the "
+                    "partitioner was told to recompute gathers, so this is a sharc bug")
+            operands.append(f"%{value.name}")
+        return " ".join(["output", *operands])
+
+
+def lower(graph: fx.Graph) -> LoweredGraph:
+    return _Lowering(graph).run()

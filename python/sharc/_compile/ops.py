@@ -1,0 +1,59 @@
+"""The torch.ops.sharc operators the compile path reads and writes, and the
+facts about FX nodes the bridge needs."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+ALL_GATHER = torch.ops.sharc.all_gather.default
+REDUCE_SCATTER = torch.ops.sharc.reduce_scatter.default
+START_GATHER = torch.ops.sharc.start_gather.default
+WAIT_GATHER = torch.ops.sharc.wait_gather.default
+RELEASE = torch.ops.sharc.release.default
+REDUCE_SCATTER_BUCKET = torch.ops.sharc.reduce_scatter_bucket.default
+
+# Neither FX dead-code elimination nor Inductor's scheduler may drop these:
+# start_gather launches a collective and release frees memory, and release
+# has no output anyone reads.
+fx.node.has_side_effect(START_GATHER)
+fx.node.has_side_effect(RELEASE)
+
+
+def is_call(node: fx.Node, target) -> bool:
+    return node.op == "call_function" and node.target is target
+
+
+def param_key(node: fx.Node) -> tuple[str, int]:
+    """(group name, parameter id) of an all_gather or reduce_scatter node."""
+    group, pid = node.args[-2], node.args[-1]
+    return str(group), int(pid)
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether the node's output aliases its first input (a view op, or an
+    element of a multi-output view)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
+    return 0
+
+
+def is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)

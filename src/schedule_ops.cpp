@@ -1,0 +1,101 @@
+// torch.ops.sharc.* operators that sharc's compile backend places in FX graphs
+// as its passes decide (the eager path never uses them):
+//
+//   start_gather(shards, group, params) -> token
+//       Non-blocking all-gather of `params` (one collective for a bucket).
+//       The shards are inputs only so that compilers see the dependence.
+//   wait_gather(token, group, params) -> fulls
+//       Blocks until gathered, takes one hold per parameter and returns the
+//       true-shape full tensors, aliases of the runtime's buffers.
+//   release(full, after, group, param) -> ()
+//       Drops the hold; the last one frees the buffer's bytes in place, so
+//       references a compiler keeps until its graph ends hold no memory.
+//       `after` (the last user's outputs) ties the release to that use.
+//   reduce_scatter_bucket(grads, group, params) -> shard grads
+//       One reduce-scatter for several gradients.
+//
+// start_gather and release are registered as side-effecting in Python
+// (sharc/_compile/ops.py) so neither FX nor Inductor drops them.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "sharc/error.h"
+#include "sharc/runtime_table.h"
+
+namespace sharc {
+namespace {
+
+at::Tensor start_gather_kernel(at::TensorList shards, const std::string& group,
+                               c10::IntArrayRef params) {
+  auto runtime = RuntimeTable::instance().get(group);
+  SHARC_CHECK(shards.size() == params.size() && !params.empty(), "sharc: start_gather got ",
+              shards.size(), " shards for ", params.size(), " parameters");
+  for (size_t i = 0; i < params.size(); ++i) runtime->check_shard(params[i], shards[i]);
+  runtime->start_gather_bucket(params.vec());
+  return at::empty({0}, shards[0].options());
+}
+
+at::Tensor start_gather_meta(at::TensorList shards, const std::string& group,
+                             c10::IntArrayRef params) {
+  return at::empty({0}, shards[0].options().device(c10::kMeta));
+}
+
+std::vector<at::Tensor> wait_gather_kernel(const at::Tensor& token, const std::string& group,
+                                           c10::IntArrayRef params) {
+  return RuntimeTable::instance().get(group)->wait_gather(params.vec());
+}
+
+std::vector<at::Tensor> wait_gather_meta(const at::Tensor& token, const std::string& group,
+                                         c10::IntArrayRef params) {
+  auto runtime = RuntimeTable::instance().get(group);
+  std::vector<at::Tensor> fulls;
+  for (int64_t id : params) fulls.push_back(runtime->meta_full(id));
+  return fulls;
+}
+
+void release_kernel(const at::Tensor& full, at::TensorList after, const std::string& group,
+                    int64_t param) {
+  RuntimeTable::instance().get(group)->release(param);
+}
+
+void release_meta(const at::Tensor& full, at::TensorList after, const std::string& group,
+                  int64_t param) {}
+
+std::vector<at::Tensor> reduce_scatter_bucket_kernel(at::TensorList grads,
+                                                     const std::string& group,
+                                                     c10::IntArrayRef params) {
+  return RuntimeTable::instance().get(group)->reduce_scatter_bucket(params.vec(), grads.vec());
+}
+
+std::vector<at::Tensor> reduce_scatter_bucket_meta(at::TensorList grads,
+                                                   const std::string& group,
+                                                   c10::IntArrayRef params) {
+  auto runtime = RuntimeTable::instance().get(group);
+  std::vector<at::Tensor> shards;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t numel = runtime->layout(params[i]).shard_numel();
+    shards.push_back(at::empty({numel}, grads[i].options().device(c10::kMeta)));
+  }
+  return shards;
+}
+
+}  // namespace
+}  // namespace sharc
+
+TORCH_LIBRARY_FRAGMENT(sharc, m) {
+  m.def("start_gather(Tensor[] shards, str group, int[] params) -> Tensor");
+  m.def("wait_gather(Tensor token, str group, int[] params) -> Tensor[]");
+  m.def("release(Tensor full, Tensor[] after, str group, int param) -> ()");
+  m.def("reduce_scatter_bucket(Tensor[] grads, str group, int[] params) -> Tensor[]");
+}
+
+#define SHARC_SCHEDULE_KERNELS(suffix)                                      \
+  m.impl("start_gather", sharc::start_gather_##suffix);                    \
+  m.impl("wait_gather", sharc::wait_gather_##suffix);                      \
+  m.impl("release", sharc::release_##suffix);                              \
+  m.impl("reduce_scatter_bucket", sharc::reduce_scatter_bucket_##suffix);
+
+TORCH_LIBRARY_IMPL(sharc, CPU, m) { SHARC_SCHEDULE_KERNELS(kernel) }
+TORCH_LIBRARY_IMPL(sharc, CUDA, m) { SHARC_SCHEDULE_KERNELS(kernel) }
+TORCH_LIBRARY_IMPL(sharc, Meta, m) { SHARC_SCHEDULE_KERNELS(meta) }
