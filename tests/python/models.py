@@ -66,3 +66,19 @@ def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def make_optimizer(params):
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+
+
+def train_single(steps: int, batch: int):
+    """The unsharded reference: the parity model trained on one process with
+    the whole global batch; returns (losses, final state_dict)."""
+    model = make_parity_model()
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, batch)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from models import global_batch, make_optimizer, make_parity_model, rank_slice
+from models import (global_batch, make_optimizer, make_parity_model, rank_slice,
+                    train_single)
 
 STEPS = 20
 BATCH_PER_RANK = 2
@@ -30,25 +31,10 @@ def _train_sharded(rank, world):
     return losses, {k: v for k, v in full.items()} if rank == 0 else None
 
 
-def _train_single(world):
-    torch.manual_seed(0)
-    model = make_parity_model()
-    opt = make_optimizer(model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, BATCH_PER_RANK * world)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_training_matches_single_process(world):
     results = run_ranks(_train_sharded, world)
-    ref_losses, ref_state = _train_single(world)
+    ref_losses, ref_state = train_single(STEPS, BATCH_PER_RANK * world)
 
     # The global loss is the mean of the ranks' losses (equal batch slices).
     sharded_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
