@@ -42,6 +42,12 @@ void ParamStateMachine::finish_gather() {
   holds_ = 0;
 }
 
+void ParamStateMachine::begin_refresh() {
+  expect(state_ == ParamState::Gathered && holds_ == 0, "refresh",
+         "gathered with no holds (a buffer in use cannot be overwritten)");
+  state_ = ParamState::Gathering;
+}
+
 void ParamStateMachine::acquire() {
   expect(state_ == ParamState::Gathered, "use",
          "gathered (gather and wait before use)");

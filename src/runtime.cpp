@@ -22,6 +22,11 @@ ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
   free_storage(storage);
 }
 
+bool ShardedParam::is_stale() const {
+  return state.state() == ParamState::Gathered && state.holds() == 0 &&
+         shard._version() != gathered_version;
+}
+
 int64_t ShardedParam::full_bytes() const {
   return layout.padded_numel() * static_cast<int64_t>(shard.element_size());
 }
@@ -75,10 +80,15 @@ ShardedParam& Runtime::param(int64_t id) {
 
 void Runtime::start_gather_locked(ShardedParam& p) {
   RECORD_FUNCTION("sharc::all_gather", std::vector<c10::IValue>());
-  p.state.begin_gather();
-  c10::Storage storage = p.base.storage();
-  allocate_storage(storage, p.full_bytes());
-  accounting_.on_gathered(p.full_bytes());
+  if (p.state.state() == ParamState::Gathered) {
+    p.state.begin_refresh();  // persistent: gather into the buffer it keeps
+  } else {
+    p.state.begin_gather();
+    c10::Storage storage = p.base.storage();
+    allocate_storage(storage, p.full_bytes());
+    accounting_.on_gathered(p.full_bytes());
+  }
+  p.gathered_version = p.shard._version();
   if (p.layout.padded_numel() == 0) {
     return;  // zero-size parameter: nothing to communicate
   }
@@ -110,6 +120,7 @@ void Runtime::start_bucket_locked(const std::vector<int64_t>& ids) {
   for (int64_t id : ids) {
     ShardedParam* p = &param(id);
     p->state.begin_gather();
+    p->gathered_version = p->shard._version();
     c10::Storage storage = p->base.storage();
     allocate_storage(storage, p->full_bytes());
     accounting_.on_gathered(p->full_bytes());
@@ -143,17 +154,28 @@ void Runtime::finish_bucket_locked(BucketGather& bucket) {
   bucket.work.reset();
 }
 
+void Runtime::prepare_locked(ShardedParam& p) {
+  const ParamState s = p.state.state();
+  if (s == ParamState::Sharded || s == ParamState::Released || p.is_stale()) {
+    start_gather_locked(p);
+  }
+}
+
 void Runtime::start_gather(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  start_gather_locked(param(id));
+  prepare_locked(param(id));
 }
 
 void Runtime::start_gather_bucket(const std::vector<int64_t>& ids) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int64_t> idle;  // neither gathered nor in flight
   for (int64_t id : ids) {
-    const ParamState s = param(id).state.state();
+    const ShardedParam& p = param(id);
+    const ParamState s = p.state.state();
     if (s == ParamState::Sharded || s == ParamState::Released) idle.push_back(id);
+  }
+  for (int64_t id : ids) {
+    if (param(id).is_stale()) start_gather_locked(param(id));  // persistent, refreshed
   }
   const at::TensorOptions first =
       idle.empty() ? at::TensorOptions() : param(idle[0]).shard.options();
@@ -186,10 +208,7 @@ std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {
 at::Tensor Runtime::gather(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   ShardedParam& p = param(id);
-  if (p.state.state() == ParamState::Sharded ||
-      p.state.state() == ParamState::Released) {
-    start_gather_locked(p);
-  }
+  prepare_locked(p);
   if (p.state.state() == ParamState::Gathering) {
     finish_gather_locked(p);
   }

@@ -28,6 +28,9 @@ class ParamStateMachine {
   void begin_gather();
   /// Gathering -> Gathered with no holds yet.
   void finish_gather();
+  /// Gathered at zero holds -> Gathering: a persistent parameter whose shard
+  /// has changed (optimizer step) is gathered again into the buffer it keeps.
+  void begin_refresh();
   /// Gathered: one more user holds the buffer.
   void acquire();
   /// Gathered: one user lets go. Returns true when the buffer must be freed

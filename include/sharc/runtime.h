@@ -45,6 +45,10 @@ struct ShardedParam {
   ParamStateMachine state;
   c10::intrusive_ptr<c10d::Work> pending;  ///< the gather in flight, if any
   std::shared_ptr<BucketGather> bucket;     ///< or the bucket it travels in
+  int64_t gathered_version = -1;  ///< the shard's version counter when gathered
+
+  /// A persistent parameter kept gathered from a shard that has changed since.
+  bool is_stale() const;
 
   int64_t full_bytes() const;
 };
@@ -63,7 +67,8 @@ class Runtime : public torch::CustomClassHolder {
   /// Copies this rank's slice of `full` (the true-shape value) into the shard.
   void load_full(int64_t id, const at::Tensor& full);
 
-  /// Non-blocking: starts the all-gather of a sharded or released parameter.
+  /// Non-blocking: starts the all-gather of a sharded or released parameter
+  /// (or of a persistent one whose shard changed); else does nothing.
   void start_gather(int64_t id);
   /// Blocks until the parameter is gathered (starting the gather if none is in
   /// flight), takes one hold and returns the true-shape full view.
@@ -110,6 +115,9 @@ class Runtime : public torch::CustomClassHolder {
  private:
   ShardedParam& param(int64_t id);
   void start_gather_locked(ShardedParam& p);
+  /// Starts what `p` needs before a use: a gather, a refresh of a stale
+  /// persistent buffer, or nothing (gathered or in flight already).
+  void prepare_locked(ShardedParam& p);
   void start_bucket_locked(const std::vector<int64_t>& ids);
   void finish_gather_locked(ShardedParam& p);
   void finish_bucket_locked(BucketGather& bucket);

@@ -91,3 +91,12 @@ def _compare(rank, n0, s0, d0, v0, n1, s1, d1, v1) -> None:
             f"parameter '{n0}' has different values on rank 0 and rank {rank}: seed every "
             "rank identically before building the model (or load a checkpoint after "
             "shard()), or pass ShardConfig(verify_replicas=False) if this is intended")
+
+
+def check_keep_gathered(names: tuple[str, ...], named) -> None:
+    known = {fqn for fqn, _ in named}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"ShardConfig.keep_gathered names {unknown[0]!r}, which is not a "
+                         "parameter of this module; use a name from "
+                         "module.named_parameters(), e.g. " + repr(sorted(known)[:3]))

@@ -42,8 +42,12 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     if dist.get_world_size(group) > 1:
         _validate.check_replicas(named, group, config.verify_replicas)
 
+    _validate.check_keep_gathered(config.keep_gathered, named)
     runtime = _runtime(group)
     refs_by_param = _register(runtime, group.group_name, named)
+    for fqn, p in named:
+        if fqn in config.keep_gathered:
+            runtime.set_persistent(refs_by_param[p].pid, True)
     schedule = EagerSchedule(list(refs_by_param.values()))
     per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
     for sub, local, p in _owned_params(module):

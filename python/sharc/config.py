@@ -13,7 +13,18 @@ class ShardConfig:
     same parameters (names, shapes, dtypes and a value checksum). Ranks that
     start from different values would each keep a slice of a different model."""
 
+    keep_gathered: tuple[str, ...] = ()
+    """Parameter names (as `named_parameters()` gives them) that stay gathered
+    once gathered: no release and no re-gather within a step, re-gathered
+    only after their shard changes (an optimizer step). Trades memory for
+    communication, for small parameters read in many places."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.keep_gathered, str) or not all(
+                isinstance(n, str) for n in self.keep_gathered):
+            raise TypeError("ShardConfig.keep_gathered must be a tuple of parameter names, "
+                            f"got {self.keep_gathered!r}")
+        self.keep_gathered = tuple(self.keep_gathered)
         if not isinstance(self.verify_replicas, bool):
             raise TypeError(
                 f"ShardConfig.verify_replicas must be a bool, got {self.verify_replicas!r}")

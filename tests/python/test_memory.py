@@ -1,13 +1,15 @@
 """Nothing full-size survives from forward to backward, and the peak of
 gathered bytes during a training step of an 8-block transformer stays below
-three blocks' parameters on every rank."""
+three blocks' parameters on every rank, in eager mode and compiled with the
+"sharc" backend."""
 
+import pytest
 import torch
 
 from dist_harness import run_ranks
 
 
-def _step_peak(rank, world):
+def _step_peak(rank, world, compiled):
     import sharc
     from sharc.models.gpt import GPT, GPTConfig
 
@@ -16,12 +18,13 @@ def _step_peak(rank, world):
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sharc.shard(model)
+    step = torch.compile(model, backend="sharc") if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(65, (2, 32))
     stats = []
     for _ in range(2):
         sharc.reset_memory_stats()
-        loss = model(x, x)
+        loss = step(x, x)
         after_forward = sharc.memory_stats()
         loss.backward()
         opt.step()
@@ -30,8 +33,9 @@ def _step_peak(rank, world):
     return block_bytes, model_bytes, stats
 
 
-def test_peak_gathered_bytes_below_three_blocks():
-    for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_peak_gathered_bytes_below_three_blocks(compiled):
+    for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2, compiled):
         for after_forward, after_step in stats:
             assert after_forward["gathered_bytes"] == 0
             assert after_step["gathered_bytes"] == 0
