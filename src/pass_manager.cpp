@@ -50,7 +50,12 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
     check(graph, rules, "after pass '" + name + "'");
     records.push_back({name, rewrites, false});
   }
-  check(graph, final_rules_, "at the end of the pass pipeline");
+  std::string off;
+  for (const std::string& name : disabled_) off += (off.empty() ? "" : ", ") + name;
+  check(graph, final_rules_,
+        off.empty() ? std::string("at the end of the pass pipeline")
+                    : "at the end of the pass pipeline, with passes switched off (" + off +
+                          "); switch them back on");
   return records;
 }
 

@@ -20,8 +20,10 @@ std::unique_ptr<Pass> make_regather_in_backward();
 /// Establishes: no direct parameter reads.
 std::unique_ptr<Pass> make_insert_gather_release();
 
-/// Within each run of adjacent gather/wait nodes, fuses gathers of
-/// parameters up to `bucket_bytes` in total into one collective and one wait.
+/// Fuses consecutive gathers (in program order, compute in between allowed)
+/// into one collective and one wait while their parameters total at most
+/// `bucket_bytes`: later gathers move up to the bucket's first position, so
+/// the bucket size bounds the extra bytes this prefetching keeps alive.
 std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes);
 
 /// One reduce_scatter per gradient, consecutive gradients bucketed up to

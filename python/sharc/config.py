@@ -45,8 +45,9 @@ class CompileConfig:
     """Compile the scheduled graphs with Inductor; False runs them as plain
     FX graphs (for debugging a schedule)."""
 
-    gather_bucket_bytes: int = 1 << 20
-    """Adjacent gathers are fused into one all-gather up to this many bytes."""
+    gather_bucket_bytes: int = 256 << 10
+    """Consecutive gathers are fused into one all-gather (the later ones
+    prefetched) up to this many bytes."""
 
     reduce_bucket_bytes: int = 4 << 20
     """Gradients are reduce-scattered together up to this many bytes."""

@@ -1,10 +1,18 @@
+#include <set>
+
 #include "sharc/passes.h"
 
 namespace sharc::ir {
 namespace {
 
-bool is_comm_prologue(const Node& n) {
-  return n.kind == NodeKind::Gather || n.kind == NodeKind::Wait;
+// A gather immediately followed by its wait, as insert_gather_release emits.
+bool is_gather_pair(const Graph& graph, size_t i) {
+  if (i + 1 >= graph.nodes.size()) return false;
+  const Node& gather = graph.nodes[i];
+  const Node& wait = graph.nodes[i + 1];
+  return gather.kind == NodeKind::Gather && gather.outputs.size() == 1 &&
+         wait.kind == NodeKind::Wait && wait.operands.size() == 1 &&
+         wait.operands[0].value == gather.outputs[0];
 }
 
 class BucketAllGathers : public Pass {
@@ -13,84 +21,69 @@ class BucketAllGathers : public Pass {
 
   std::string name() const override { return "bucket_allgathers"; }
 
+  // Walks the gathers in program order. Each one joins the open bucket if it
+  // fits (moving it up to the bucket's position: a gather reads nothing but
+  // its shards, so it may run earlier, at the cost of its bytes living
+  // longer), otherwise it opens the next bucket.
   int64_t run(Graph& graph) override {
     int64_t rewrites = 0;
     std::vector<Node> out;
-    size_t i = 0;
-    while (i < graph.nodes.size()) {
-      if (!is_comm_prologue(graph.nodes[i])) {
-        out.push_back(std::move(graph.nodes[i++]));
+    Bucket open;
+    for (size_t i = 0; i < graph.nodes.size(); ++i) {
+      if (!is_gather_pair(graph, i)) {
+        Node& n = graph.nodes[i];
+        if (n.kind == NodeKind::Gather || n.kind == NodeKind::Wait) open = Bucket();
+        out.push_back(std::move(n));
         continue;
       }
-      size_t end = i;
-      while (end < graph.nodes.size() && is_comm_prologue(graph.nodes[end])) ++end;
-      rewrites += fuse_run(graph, i, end, out);
-      i = end;
+      Node& gather = graph.nodes[i];
+      Node& wait = graph.nodes[++i];
+      const int64_t bytes = bytes_of(graph, gather);
+      if (open.fits(gather, bytes, bucket_bytes_)) {
+        open.join(out, gather, wait, bytes);
+        ++rewrites;
+        continue;
+      }
+      open = Bucket{out.size(), bytes, {gather.params.begin(), gather.params.end()}, true};
+      out.push_back(std::move(gather));
+      out.push_back(std::move(wait));
     }
     graph.nodes = std::move(out);
     return rewrites;
   }
 
  private:
-  struct Pair {
-    Node gather;
-    Node wait;
+  struct Bucket {
+    size_t gather_at = 0;  ///< index in the output; its wait follows
+    int64_t bytes = 0;
+    std::set<int64_t> params;
+    bool active = false;
+
+    bool fits(const Node& gather, int64_t more, int64_t cap) const {
+      if (!active || bytes + more > cap) return false;
+      // A parameter gathered again after its release opens a new bucket.
+      for (int64_t p : gather.params) {
+        if (params.count(p)) return false;
+      }
+      return true;
+    }
+
+    void join(std::vector<Node>& out, Node& gather, Node& wait, int64_t more) {
+      Node& bucket_gather = out[gather_at];
+      Node& bucket_wait = out[gather_at + 1];
+      for (int64_t p : gather.params) {
+        bucket_gather.params.push_back(p);
+        params.insert(p);
+      }
+      for (std::string& v : wait.outputs) bucket_wait.outputs.push_back(std::move(v));
+      bytes += more;
+    }
   };
 
-  // Pairs each gather in [begin, end) with its wait; anything unpaired (a
-  // gather waited later, a wait of an earlier gather) is left as it is.
-  static std::vector<Pair> pair_up(Graph& graph, size_t begin, size_t end,
-                                   std::vector<Node>& unpaired) {
-    std::vector<Pair> pairs;
-    std::vector<bool> used(end - begin, false);
-    for (size_t g = begin; g < end; ++g) {
-      Node& gather = graph.nodes[g];
-      if (gather.kind != NodeKind::Gather || gather.outputs.size() != 1) continue;
-      for (size_t w = g + 1; w < end; ++w) {
-        Node& wait = graph.nodes[w];
-        if (!used[w - begin] && wait.kind == NodeKind::Wait && !wait.operands.empty() &&
-            wait.operands[0].value == gather.outputs[0]) {
-          used[g - begin] = used[w - begin] = true;
-          pairs.push_back({std::move(gather), std::move(wait)});
-          break;
-        }
-      }
-    }
-    for (size_t k = begin; k < end; ++k) {
-      if (!used[k - begin]) unpaired.push_back(std::move(graph.nodes[k]));
-    }
-    return pairs;
-  }
-
-  int64_t bytes_of(const Graph& graph, const Node& gather) const {
+  static int64_t bytes_of(const Graph& graph, const Node& gather) {
     int64_t total = 0;
     for (int64_t p : gather.params) total += graph.params.at(p).bytes;
     return total;
-  }
-
-  int64_t fuse_run(Graph& graph, size_t begin, size_t end, std::vector<Node>& out) const {
-    std::vector<Node> unpaired;
-    std::vector<Pair> pairs = pair_up(graph, begin, end, unpaired);
-    for (Node& n : unpaired) out.push_back(std::move(n));
-    int64_t rewrites = 0;
-    size_t k = 0;
-    while (k < pairs.size()) {
-      Pair bucket = std::move(pairs[k++]);
-      int64_t bytes = bytes_of(graph, bucket.gather);
-      while (k < pairs.size() && bytes + bytes_of(graph, pairs[k].gather) <= bucket_bytes_) {
-        bytes += bytes_of(graph, pairs[k].gather);
-        append(bucket, pairs[k++]);
-        ++rewrites;
-      }
-      out.push_back(std::move(bucket.gather));
-      out.push_back(std::move(bucket.wait));
-    }
-    return rewrites;
-  }
-
-  static void append(Pair& bucket, Pair& next) {
-    for (int64_t p : next.gather.params) bucket.gather.params.push_back(p);
-    for (std::string& v : next.wait.outputs) bucket.wait.outputs.push_back(std::move(v));
   }
 
   int64_t bucket_bytes_;

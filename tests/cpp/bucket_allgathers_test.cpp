@@ -53,10 +53,7 @@ TEST(BucketAllGathers, LargeBucketTakesAll) {
       << out;
 }
 
-TEST(BucketAllGathers, ComputeBetweenGathersSplitsRuns) {
-  auto pass = make_bucket_allgathers(1 << 20);
-  int64_t rewrites = -1;
-  const char* in = R"(
+const char* kGathersApart = R"(
 param @0 "w" bytes=64
 param @1 "b" bytes=8
 %g0 = gather @0
@@ -69,7 +66,56 @@ release @0 after %y
 release @1 after %z
 output %z
 )";
+
+TEST(BucketAllGathers, LaterGatherMovesUpIntoTheOpenBucket) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  int64_t rewrites = -1;
+  const std::string out = run_pass(*pass, kGathersApart, &rewrites);
+  EXPECT_EQ(out, canonical(R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+%g0 = gather @0 @1
+%w, %b = wait %g0
+%y = compute "relu" %w bytes=64
+%z = compute "add" %y %b bytes=64
+release @0 after %y
+release @1 after %z
+output %z
+)"));
+  EXPECT_EQ(rewrites, 1);
+  EXPECT_TRUE(verify(parse(out), VerifyOptions::structural()).empty());
+}
+
+TEST(BucketAllGathers, GatherThatDoesNotFitOpensTheNextBucket) {
+  auto pass = make_bucket_allgathers(/*bucket_bytes=*/70);
+  int64_t rewrites = -1;
+  EXPECT_EQ(run_pass(*pass, kGathersApart, &rewrites), canonical(kGathersApart));
+  EXPECT_EQ(rewrites, 0);
+}
+
+TEST(BucketAllGathers, ParameterGatheredAgainAfterReleaseIsNotHoisted) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  const char* in = R"(
+param @0 "w" bytes=64
+%g0 = gather @0
+%w = wait %g0
+%y = compute "relu" %w bytes=64
+release @0 after %y
+%g1 = gather @0
+%w1 = wait %g1
+%z = compute "add" %y %w1 bytes=64
+release @0 after %z
+output %z
+)";
+  int64_t rewrites = -1;
   EXPECT_EQ(run_pass(*pass, in, &rewrites), canonical(in));
+  EXPECT_EQ(rewrites, 0);
+}
+
+TEST(BucketAllGathers, ZeroBucketFusesNothing) {
+  auto pass = make_bucket_allgathers(0);
+  int64_t rewrites = -1;
+  EXPECT_EQ(run_pass(*pass, kThreeGathers, &rewrites), canonical(kThreeGathers));
   EXPECT_EQ(rewrites, 0);
 }
 

@@ -64,7 +64,8 @@ def _run(rank, world):
     for name in "abc":
         ref = next(r for r in root.refs_by_shard.values() if r.fqn == f"{name}.weight")
         _WATCHED[name] = (root.runtime, ref.pid)
-    compiled = torch.compile(model, backend="sharc")
+    # No gather bucketing, so each gather sits right before its first use.
+    compiled = torch.compile(model, backend="sharc", options={"gather_bucket_bytes": 0})
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.5)
     x = torch.randn(4, 16)
