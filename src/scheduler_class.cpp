@@ -46,6 +46,7 @@ Schedule schedule(std::string ir_text, int64_t gather_bucket_bytes,
   manager.add(ir::make_regather_in_backward())
       .add(ir::make_insert_gather_release())
       .add(ir::make_bucket_allgathers(gather_bucket_bytes))
+      .add(ir::make_prefetch_gathers())
       .add(ir::make_insert_reduce_scatter(reduce_bucket_bytes));
   for (const std::string& name : disabled) manager.disable(name);
   std::vector<std::string> steps;

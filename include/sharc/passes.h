@@ -26,6 +26,10 @@ std::unique_ptr<Pass> make_insert_gather_release();
 /// the bucket size bounds the extra bytes this prefetching keeps alive.
 std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes);
 
+/// Moves each gather up to right after the previous wait, so its collective
+/// runs while the compute before its own wait does (one bucket ahead).
+std::unique_ptr<Pass> make_prefetch_gathers();
+
 /// One reduce_scatter per gradient, consecutive gradients bucketed up to
 /// `bucket_bytes` (a larger gradient goes alone); each bucket is placed right
 /// after the producer of its last gradient.

@@ -31,7 +31,7 @@ class ShardConfig:
 
 
 _PASSES = ("regather_in_backward", "insert_gather_release", "bucket_allgathers",
-           "insert_reduce_scatter")
+           "prefetch_gathers", "insert_reduce_scatter")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -37,7 +37,7 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
 
     # Caches are keyed by graphs before sharc rewrites them, and what sharc
     # bakes in (group names, parameter ids, buckets) is per process.
-    with inductor_config.patch(joint_custom_pre_pass=RecomputeGathers(),
+    with inductor_config.patch(joint_custom_post_pass=RecomputeGathers(),
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner)

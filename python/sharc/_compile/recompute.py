@@ -28,7 +28,8 @@ def mark_gathers_for_recompute(graph: fx.Graph) -> int:
 
 
 class RecomputeGathers(CustomGraphPass):
-    """The pass in the form Inductor's `joint_custom_pre_pass` hook takes."""
+    """The pass in the form Inductor's `joint_custom_post_pass` hook takes (after Inductor's own joint-graph
+    rewrites, which may replace tagged view nodes, and right before partitioning)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         mark_gathers_for_recompute(graph)
