@@ -244,38 +244,56 @@ at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
 
 std::vector<at::Tensor> Runtime::reduce_scatter_bucket(const std::vector<int64_t>& ids,
                                                        const std::vector<at::Tensor>& full_grads) {
+  start_reduce_scatter(ids, full_grads);
+  return finish_reduce_scatter(ids);
+}
+
+void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
+                                   const std::vector<at::Tensor>& full_grads) {
   RECORD_FUNCTION("sharc::reduce_scatter", std::vector<c10::IValue>());
   SHARC_CHECK(ids.size() == full_grads.size() && !ids.empty(), "sharc: reduce_scatter got ",
               ids.size(), " parameters and ", full_grads.size(), " gradients");
+  std::lock_guard<std::mutex> lock(mutex_);
+  SHARC_CHECK(!reductions_.count(ids[0]), "sharc: a reduce-scatter of '", param(ids[0]).name,
+              "' is already in flight; finish it before starting another");
   const int64_t world = comm_.world_size();
+  PendingReduction pending;
   std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
-  std::vector<int64_t> widths;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const ShardedParam& p = param(ids[i]);
+    rows.push_back(pad_grad(p, full_grads[i]).view({world, p.layout.shard_numel()}));
+    pending.widths.push_back(p.layout.shard_numel());
+  }
+  // Rank-major input: row r holds rank r's slice of every gradient. The
+  // input is kept alive with the work: the collective reads it until done.
+  pending.input = (rows.size() == 1 ? rows[0] : at::cat(rows, 1)).contiguous().view({-1});
+  pending.out = at::empty({pending.input.numel() / world}, pending.input.options());
+  if (pending.out.numel() > 0) pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
+  accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
+  reductions_.emplace(ids[0], std::move(pending));
+}
+
+std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t>& ids) {
+  RECORD_FUNCTION("sharc::wait_reduce_scatter", std::vector<c10::IValue>());
+  PendingReduction pending;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const ShardedParam& p = param(ids[i]);
-      rows.push_back(pad_grad(p, full_grads[i]).view({world, p.layout.shard_numel()}));
-      widths.push_back(p.layout.shard_numel());
-    }
+    auto it = ids.empty() ? reductions_.end() : reductions_.find(ids[0]);
+    SHARC_CHECK(it != reductions_.end(), "sharc: no reduce-scatter in flight for these ",
+                ids.size(), " parameters; start it before waiting on it");
+    SHARC_CHECK(it->second.widths.size() == ids.size(), "sharc: the reduce-scatter in flight "
+                "serves ", it->second.widths.size(), " parameters, not ", ids.size());
+    pending = std::move(it->second);
+    reductions_.erase(it);
   }
-  // Rank-major input: row r holds rank r's slice of every gradient.
-  at::Tensor input = rows.size() == 1 ? rows[0] : at::cat(rows, 1);
-  at::Tensor out = at::empty({input.size(1)}, input.options());
-  if (out.numel() > 0) {
-    at::Tensor flat = input.contiguous().view({-1});
-    comm_.reduce_scatter_sum(out, flat)->wait();
-    out.div_(world);
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(out.nbytes()));
-  }
-  if (widths.size() == 1) return {out};
+  if (pending.work) pending.work->wait();
+  at::Tensor out = pending.out.div_(comm_.world_size());
+  if (pending.widths.size() == 1) return {out};
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
   int64_t offset = 0;
-  for (int64_t width : widths) {
+  for (int64_t width : pending.widths) {
     shards.push_back(out.narrow(0, offset, width).clone());
     offset += width;
   }

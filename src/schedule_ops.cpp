@@ -11,10 +11,12 @@
 //       Drops the hold; the last one frees the buffer's bytes in place, so
 //       references a compiler keeps until its graph ends hold no memory.
 //       `after` (the last user's outputs) ties the release to that use.
-//   reduce_scatter_bucket(grads, group, params) -> shard grads
-//       One reduce-scatter for several gradients.
+//   reduce_scatter_start(grads, group, params) -> token
+//       Non-blocking reduce-scatter of several gradients in one collective.
+//   reduce_scatter_wait(token, group, params) -> shard grads
+//       Waits for it; each parameter's flat shard gradient, averaged.
 //
-// start_gather and release are registered as side-effecting in Python
+// start_gather, release and reduce_scatter_start are registered as side-effecting in Python
 // (sharc/_compile/ops.py) so neither FX nor Inductor drops them.
 
 #include <ATen/ATen.h>
@@ -62,20 +64,31 @@ void release_kernel(const at::Tensor& full, at::TensorList after, const std::str
 void release_meta(const at::Tensor& full, at::TensorList after, const std::string& group,
                   int64_t param) {}
 
-std::vector<at::Tensor> reduce_scatter_bucket_kernel(at::TensorList grads,
-                                                     const std::string& group,
-                                                     c10::IntArrayRef params) {
-  return RuntimeTable::instance().get(group)->reduce_scatter_bucket(params.vec(), grads.vec());
+at::Tensor reduce_scatter_start_kernel(at::TensorList grads, const std::string& group,
+                                      c10::IntArrayRef params) {
+  RuntimeTable::instance().get(group)->start_reduce_scatter(params.vec(), grads.vec());
+  return at::empty({0}, grads[0].options());
 }
 
-std::vector<at::Tensor> reduce_scatter_bucket_meta(at::TensorList grads,
+at::Tensor reduce_scatter_start_meta(at::TensorList grads, const std::string& group,
+                                    c10::IntArrayRef params) {
+  return at::empty({0}, grads[0].options().device(c10::kMeta));
+}
+
+std::vector<at::Tensor> reduce_scatter_wait_kernel(const at::Tensor& token,
                                                    const std::string& group,
                                                    c10::IntArrayRef params) {
+  return RuntimeTable::instance().get(group)->finish_reduce_scatter(params.vec());
+}
+
+std::vector<at::Tensor> reduce_scatter_wait_meta(const at::Tensor& token,
+                                                 const std::string& group,
+                                                 c10::IntArrayRef params) {
   auto runtime = RuntimeTable::instance().get(group);
   std::vector<at::Tensor> shards;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int64_t numel = runtime->layout(params[i]).shard_numel();
-    shards.push_back(at::empty({numel}, grads[i].options().device(c10::kMeta)));
+  for (int64_t id : params) {
+    const int64_t numel = runtime->layout(id).shard_numel();
+    shards.push_back(at::empty({numel}, token.options()));
   }
   return shards;
 }
@@ -87,14 +100,16 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.def("start_gather(Tensor[] shards, str group, int[] params) -> Tensor");
   m.def("wait_gather(Tensor token, str group, int[] params) -> Tensor[]");
   m.def("release(Tensor full, Tensor[] after, str group, int param) -> ()");
-  m.def("reduce_scatter_bucket(Tensor[] grads, str group, int[] params) -> Tensor[]");
+  m.def("reduce_scatter_start(Tensor[] grads, str group, int[] params) -> Tensor");
+  m.def("reduce_scatter_wait(Tensor token, str group, int[] params) -> Tensor[]");
 }
 
 #define SHARC_SCHEDULE_KERNELS(suffix)                                      \
   m.impl("start_gather", sharc::start_gather_##suffix);                    \
   m.impl("wait_gather", sharc::wait_gather_##suffix);                      \
   m.impl("release", sharc::release_##suffix);                              \
-  m.impl("reduce_scatter_bucket", sharc::reduce_scatter_bucket_##suffix);
+  m.impl("reduce_scatter_start", sharc::reduce_scatter_start_##suffix);   \
+  m.impl("reduce_scatter_wait", sharc::reduce_scatter_wait_##suffix);
 
 TORCH_LIBRARY_IMPL(sharc, CPU, m) { SHARC_SCHEDULE_KERNELS(kernel) }
 TORCH_LIBRARY_IMPL(sharc, CUDA, m) { SHARC_SCHEDULE_KERNELS(kernel) }

@@ -6,6 +6,7 @@
 // c10::intrusive_ptr, reaches Python as torch.classes.sharc.Runtime, and the
 // torch.ops.sharc operators find it by the group's name (RuntimeTable).
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,6 +31,15 @@ struct BucketGather {
   at::Tensor staging;            ///< world_size rows of the concatenated shards
   std::vector<int64_t> ids;      ///< parameters served, in staging order
   std::vector<int64_t> offsets;  ///< each one's column offset within a row
+};
+
+/// A reduce-scatter in flight: its padded input, its output and the shard
+/// widths of the parameters it serves, in order.
+struct PendingReduction {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor input;
+  at::Tensor out;
+  std::vector<int64_t> widths;
 };
 
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
@@ -86,7 +96,14 @@ class Runtime : public torch::CustomClassHolder {
   /// size and returns this rank's flat shard of it.
   at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);
 
-  /// reduce_scatter for several gradients in one collective; returns each
+  /// Non-blocking: starts one reduce-scatter for several gradients (copied
+  /// into a buffer of its own, so the caller may free them).
+  void start_reduce_scatter(const std::vector<int64_t>& ids,
+                            const std::vector<at::Tensor>& full_grads);
+  /// Waits for the reduce-scatter started for `ids` and returns each
+  /// parameter's flat shard gradient (summed, divided by the world size).
+  std::vector<at::Tensor> finish_reduce_scatter(const std::vector<int64_t>& ids);
+  /// Blocking start + finish: reduce_scatter for several gradients in one collective; returns each
   /// parameter's flat shard gradient, in the order of `ids`.
   std::vector<at::Tensor> reduce_scatter_bucket(const std::vector<int64_t>& ids,
                                                 const std::vector<at::Tensor>& full_grads);
@@ -127,6 +144,7 @@ class Runtime : public torch::CustomClassHolder {
   Communicator comm_;
   MemoryAccounting accounting_;
   std::vector<std::unique_ptr<ShardedParam>> params_;
+  std::map<int64_t, PendingReduction> reductions_;  ///< by first parameter id
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };
 

@@ -45,7 +45,7 @@ class CompileConfig:
     """Compile the scheduled graphs with Inductor; False runs them as plain
     FX graphs (for debugging a schedule)."""
 
-    gather_bucket_bytes: int = 256 << 10
+    gather_bucket_bytes: int = 64 << 10
     """Consecutive gathers are fused into one all-gather (the later ones
     prefetched) up to this many bytes."""
 

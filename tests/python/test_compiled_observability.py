@@ -49,7 +49,8 @@ def test_profiler_labels_ir_dumps_and_per_step_counters():
                 assert after_step["reduce_scatter_bytes"] == trainable_shards
                 assert after_step["allgather_bytes"] > after_forward["allgather_bytes"]
                 for label in ("sharc::start_gather", "sharc::wait_gather", "sharc::release",
-                              "sharc::reduce_scatter_bucket", "sharc::reduce_scatter"):
+                              "sharc::reduce_scatter_start", "sharc::reduce_scatter_wait",
+                              "sharc::reduce_scatter"):
                     assert label in labels, f"{label} missing from {labels}"
             assert per_step[1][1] == per_step[2][1]  # the same traffic every step
             files = sorted(f for f in os.listdir(dump_dir) if f.startswith(f"rank{rank}_"))

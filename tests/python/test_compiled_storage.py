@@ -3,6 +3,8 @@ kernel's outputs until the graph returns, so a release must free the gathered
 bytes in place, at the point sharc's schedule puts it. A probe op inside the
 compiled graph records each parameter's base storage as the graph runs:
 
+- a gather runs where the schedule puts it: at the first use, or one
+  bucket ahead with the prefetch pass;
 - `a` is used once: its storage holds 0 bytes once that use is done;
 - `b` is used twice: its storage survives the first use and is freed after
   the second;
@@ -11,6 +13,7 @@ compiled graph records each parameter's base storage as the graph runs:
   the optimizer changes its shard.
 """
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -51,7 +54,7 @@ class Chain(nn.Module):
         return probe(h, "after b, second use").square().mean()
 
 
-def _run(rank, world):
+def _run(rank, world, prefetch):
     import sharc
 
     torch.manual_seed(0)
@@ -64,8 +67,12 @@ def _run(rank, world):
     for name in "abc":
         ref = next(r for r in root.refs_by_shard.values() if r.fqn == f"{name}.weight")
         _WATCHED[name] = (root.runtime, ref.pid)
-    # No gather bucketing, so each gather sits right before its first use.
-    compiled = torch.compile(model, backend="sharc", options={"gather_bucket_bytes": 0})
+    # No gather bucketing, so each gather stays its own collective; with
+    # prefetch off, each sits right before its first use.
+    options = {"gather_bucket_bytes": 0}
+    if not prefetch:
+        options["disable_passes"] = ("prefetch_gathers",)
+    compiled = torch.compile(model, backend="sharc", options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.5)
     x = torch.randn(4, 16)
@@ -85,8 +92,9 @@ def _run(rank, world):
     return losses
 
 
-def test_release_frees_storage_at_its_scheduled_point():
-    for losses in run_ranks(_run, 2):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["at-use", "prefetched"])
+def test_release_frees_storage_at_its_scheduled_point(prefetch):
+    for losses in run_ranks(_run, 2, prefetch):
         c_pointers = set()
         for step, (loss, eager_loss, records) in enumerate(losses):
             # keep_gathered c sees every optimizer step: same losses as eager.
@@ -95,7 +103,8 @@ def test_release_frees_storage_at_its_scheduled_point():
             assert list(at) == ["after a", "after b, first use", "after c",
                                 "after b, second use"]
             assert at["after b, first use"]["a"][0] == 0  # single use: freed
-            assert at["after a"]["b"][0] == 0  # not gathered before its use
+            # b is gathered at its use, or prefetched while a's product runs.
+            assert at["after a"]["b"][0] == (16 * 16 * 4 if prefetch else 0)
             assert at["after c"]["b"][0] == 16 * 16 * 4  # between b's two uses
             assert at["after b, second use"]["b"][0] == 0  # freed at the second
             for label in ("after c", "after b, second use"):

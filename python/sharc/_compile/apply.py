@@ -2,9 +2,11 @@
 
 Walks the scheduled nodes in order and builds a new graph: compute nodes are
 copied from the original, gathers, waits and releases become
-sharc.start_gather / wait_gather / release calls, and reduce_scatter buckets
-become sharc.reduce_scatter_bucket calls whose elements replace the original
-per-parameter reductions at the graph output.
+sharc.start_gather / wait_gather / release calls, and each reduce_scatter
+bucket becomes a sharc.reduce_scatter_start whose wait comes right after the
+next bucket starts (or at the end of the graph), so one reduction is in
+flight while backward computes on; the waited shard gradients replace the
+original per-parameter reductions at the graph output.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import operator
 import torch.fx as fx
 
 from sharc._compile.lower import LoweredGraph
-from sharc._compile.ops import (RELEASE, REDUCE_SCATTER_BUCKET, START_GATHER, WAIT_GATHER,
-                                is_tensor)
+from sharc._compile.ops import (REDUCE_SCATTER_START, REDUCE_SCATTER_WAIT, RELEASE,
+                                START_GATHER, WAIT_GATHER, is_tensor)
 
 
 def _split(field: str) -> list[str]:
@@ -31,6 +33,7 @@ class _Rebuild:
         self.by_value: dict[str, fx.Node] = {}  # IR value -> new node
         self.full: dict[int, fx.Node] = {}      # IR param -> its gathered value now
         self.in_flight: dict[str, list[int]] = {}  # gather value -> its IR params
+        self.reducing: tuple[fx.Node, list] | None = None  # reduction not yet waited
 
     def run(self, nodes: list[list[str]]) -> fx.Graph:
         for node in self.original.nodes:
@@ -39,6 +42,7 @@ class _Rebuild:
         for kind, outputs, operands, params in nodes:
             handler = getattr(self, f"_{kind}")
             handler(_split(outputs), _split(operands), [int(p) for p in _split(params)])
+        self._wait_reduction()
         output = self.original.output_node()
         self.graph.node_copy(output, lambda n: self.env[n])
         return self.graph
@@ -105,10 +109,20 @@ class _Rebuild:
     def _reduce_scatter(self, outputs, operands, params) -> None:
         slots, group, pids = self._slots(params)
         grads = [self._value(o) for o in operands]
+        token = self._call(REDUCE_SCATTER_START, (grads, group, pids))
+        self._wait_reduction()  # the previous one: at most two in flight
+        self.reducing = (token, slots)
+
+    def _wait_reduction(self) -> None:
+        if self.reducing is None:
+            return
+        token, slots = self.reducing
+        self.reducing = None
         vals = [s.reductions[0].meta.get("val") for s in slots]
-        bucket = self._call(REDUCE_SCATTER_BUCKET, (grads, group, pids), vals)
+        waited = self._call(REDUCE_SCATTER_WAIT, (token, slots[0].group, [s.pid for s in slots]),
+                            vals)
         for i, slot in enumerate(slots):
-            shard_grad = self._call(operator.getitem, (bucket, i), vals[i])
+            shard_grad = self._call(operator.getitem, (waited, i), vals[i])
             for reduction in slot.reductions:
                 self.env[reduction] = shard_grad
 
