@@ -71,9 +71,10 @@ class EagerSchedule:
         if not torch.compiler.is_compiling():
             self.exit_scope()
 
-    # Scopes and reads are disabled for torch.compile: inside a frame compiled
-    # by a backend other than sharc's, they run eagerly at a graph break, so
-    # every gather is still matched by its release.
+    # Compiled frames never call these (the hooks above and the parameter
+    # property check torch.compiler.is_compiling() first); should one still
+    # reach them, it runs them eagerly at a graph break, so every gather is
+    # still matched by its release.
     @torch.compiler.disable
     def enter_scope(self) -> None:
         if not self._scopes:

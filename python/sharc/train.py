@@ -31,6 +31,8 @@ class TrainConfig:
     lr: float = 1e-3
     seed: int = 0
     log_every: int = 10
+    compile: bool = False
+    """Compile the model with torch.compile(backend="sharc")."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_per_rank", "seq_len", "log_every"):
@@ -44,7 +46,11 @@ def _parse(argv=None) -> tuple[TrainConfig, int]:
     defaults = TrainConfig()
     for field in TrainConfig.__dataclass_fields__:
         value = getattr(defaults, field)
-        p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+        if isinstance(value, bool):
+            p.add_argument(f"--{field.replace('_', '-')}", default=value,
+                           action=argparse.BooleanOptionalAction)
+        else:
+            p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     a = vars(p.parse_args(argv))
     nproc = a.pop("nproc")
     return TrainConfig(**a), nproc
@@ -77,6 +83,7 @@ def train(cfg: TrainConfig) -> None:
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sharc.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    step_fn = torch.compile(model, backend="sharc") if cfg.compile else model
     if rank == 0:
         print(f"sharc: {n_params / 1e6:.2f}M parameters, {world} ranks "
               f"({dist.get_backend()}), {cfg.batch_per_rank}x{cfg.seq_len} tokens per rank; "
@@ -88,7 +95,7 @@ def train(cfg: TrainConfig) -> None:
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         x, y = data.rank_batch(step, cfg.batch_per_rank, cfg.seq_len, rank, world, cfg.seed)
-        loss = model(x, y)
+        loss = step_fn(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,7 +1,8 @@
-"""Until the "sharc" backend exists, torch.compile with another backend
-(Inductor here) must not break sharding: parameter reads and scopes run
-eagerly at graph breaks, so every gather is released (failure mode 1: frames
-the sharc compiler does not cover use the same operations eagerly)."""
+"""torch.compile with a backend other than sharc's (plain Inductor here) must
+not break sharding: parameter reads are captured as sharc's functional
+all_gather, whose result is an ordinary value to that backend, so losses and
+gradients equal eager and nothing stays gathered (failure mode 1: frames the
+sharc compiler does not schedule use the same operations)."""
 
 import torch
 

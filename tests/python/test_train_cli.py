@@ -28,6 +28,13 @@ def test_train_starts_local_ranks_and_loss_falls():
     assert "2 ranks (gloo)" in r.stdout
 
 
+def test_train_compiled_with_the_sharc_backend():
+    r = _run([sys.executable, "-m", "sharc.train", "--nproc", "2", "--compile", *SMALL])
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, last = _losses(r.stdout)
+    assert last < first - 0.3
+
+
 def test_train_under_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     r = _run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "sharc.train", *SMALL])
