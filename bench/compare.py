@@ -37,8 +37,8 @@ from sharc.data import CharDataset
 from sharc.launch import launch
 from sharc.models.gpt import GPT, GPTConfig
 
-COMPETITORS = ["sharc compiled", "sharc eager", "FSDP2 eager", "FSDP2 compiled",
-               "DDP eager", "DDP compiled"]
+COMPETITORS = ["sharc compiled", "sharc compiled, 4 MiB gather buckets", "sharc eager",
+               "FSDP2 eager", "FSDP2 compiled", "DDP eager", "DDP compiled"]
 MODEL = GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256)
 
 
@@ -60,7 +60,12 @@ def _build(name: str) -> Competitor:
     model = _fresh_model()
     if name.startswith("sharc"):
         sharc.shard(model, dist.new_group())  # a runtime (and counters) of its own
-        step_fn = torch.compile(model, backend="sharc") if name == "sharc compiled" else model
+        step_fn = model
+        if name == "sharc compiled":
+            step_fn = torch.compile(model, backend="sharc")
+        elif name.startswith("sharc compiled, 4 MiB"):  # trades gathered bytes for fewer calls
+            step_fn = torch.compile(model, backend="sharc",
+                                    options={"gather_bucket_bytes": 4 << 20})
     elif name.startswith("FSDP2"):
         from torch.distributed.fsdp import fully_shard
 
