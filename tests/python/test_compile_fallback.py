@@ -41,3 +41,40 @@ def test_inductor_compiled_sharded_model_matches_eager_and_releases():
         assert set(grads) == set(eager_grads)
         for name in grads:
             torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def _graph_break_in_forward(rank, world):
+    import sharc
+    from sharc.models.gpt import GPT
+
+    class BrokenGPT(GPT):  # a graph break between the embedding and the blocks
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+            torch._dynamo.graph_break()
+            for block in self.blocks:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                     targets.reshape(-1))
+
+    out = []
+    for compiled in (False, True):
+        model = make_parity_model()
+        model.__class__ = BrokenGPT
+        sharc.shard(model)
+        step = torch.compile(model, backend="sharc") if compiled else model
+        x, y = global_batch(0, 4)
+        losses = []
+        for _ in range(2):
+            loss = step(rank_slice(x, rank, world), rank_slice(y, rank, world))
+            loss.backward()
+            losses.append((loss.item(), sharc.memory_stats()["gathered_bytes"]))
+        out.append(losses)
+    return out
+
+
+def test_sharc_backend_with_a_graph_break_matches_eager():
+    for eager, compiled in run_ranks(_graph_break_in_forward, 2):
+        for (want, _), (got, gathered) in zip(eager, compiled):
+            assert abs(got - want) <= 1e-5 * abs(want)
+            assert gathered == 0
