@@ -239,13 +239,8 @@ at::Tensor Runtime::pad_grad(const ShardedParam& p, const at::Tensor& full_grad)
 }
 
 at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
-  return reduce_scatter_bucket({id}, {full_grad})[0];
-}
-
-std::vector<at::Tensor> Runtime::reduce_scatter_bucket(const std::vector<int64_t>& ids,
-                                                       const std::vector<at::Tensor>& full_grads) {
-  start_reduce_scatter(ids, full_grads);
-  return finish_reduce_scatter(ids);
+  start_reduce_scatter({id}, {full_grad});
+  return finish_reduce_scatter({id})[0];
 }
 
 void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,

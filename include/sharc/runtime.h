@@ -103,10 +103,6 @@ class Runtime : public torch::CustomClassHolder {
   /// Waits for the reduce-scatter started for `ids` and returns each
   /// parameter's flat shard gradient (summed, divided by the world size).
   std::vector<at::Tensor> finish_reduce_scatter(const std::vector<int64_t>& ids);
-  /// Blocking start + finish: reduce_scatter for several gradients in one collective; returns each
-  /// parameter's flat shard gradient, in the order of `ids`.
-  std::vector<at::Tensor> reduce_scatter_bucket(const std::vector<int64_t>& ids,
-                                                const std::vector<at::Tensor>& full_grads);
 
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);

@@ -30,10 +30,6 @@ class ShardConfig:
                 f"ShardConfig.verify_replicas must be a bool, got {self.verify_replicas!r}")
 
 
-_PASSES = ("regather_in_backward", "insert_gather_release", "bucket_allgathers",
-           "prefetch_gathers", "insert_reduce_scatter")
-
-
 @dataclass(kw_only=True, slots=True)
 class CompileConfig:
     """How the "sharc" torch.compile backend schedules and compiles graphs.
@@ -68,10 +64,11 @@ class CompileConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CompileConfig.{name} must be an int >= 0, got {value!r}")
         self.disable_passes = tuple(self.disable_passes)
-        unknown = [p for p in self.disable_passes if p not in _PASSES]
+        passes = _pass_names()
+        unknown = [p for p in self.disable_passes if p not in passes]
         if unknown:
             raise ValueError(f"CompileConfig.disable_passes: unknown pass {unknown[0]!r}; "
-                             f"the passes are {', '.join(_PASSES)}")
+                             f"the passes are {', '.join(passes)}")
 
     @classmethod
     def from_options(cls, options: dict | None) -> "CompileConfig":
@@ -87,3 +84,12 @@ class CompileConfig:
             raise ValueError(f"unknown sharc compile option {unknown[0]!r}; the options are "
                              f"{', '.join(cls.__dataclass_fields__)}")
         return cls(**fields)
+
+
+def _pass_names() -> list[str]:
+    """The scheduler's passes in order, as the C++ pipeline names them."""
+    import torch
+
+    from sharc import _library  # noqa: F401  (registers torch.classes.sharc)
+
+    return list(torch.classes.sharc.Scheduler.pass_names())

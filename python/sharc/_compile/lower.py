@@ -133,8 +133,10 @@ class _Lowering:
         for out in outputs:
             self.values[out.name] = node if out is node else out
         names = ", ".join(f"%{o.name}" for o in outputs)
-        op = re.sub(r"[^A-Za-z0-9_.]", "", getattr(node.target, "__name__", str(node.target)))
-        op = str(node.target) if isinstance(node.target, torch._ops.OpOverload) else op
+        target = node.target
+        name = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(
+            target, "__name__", str(target))
+        op = re.sub(r"[^A-Za-z0-9_.]", "", name)  # one token in the IR text
         args = " ".join(self._operands(node))
         return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}'.replace("  ", " ")
 
