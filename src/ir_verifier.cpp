@@ -12,7 +12,7 @@ namespace {
 class Verifier {
  public:
   Verifier(const Graph& graph, const VerifyOptions& options)
-      : graph_(graph), options_(options) {}
+      : graph_(graph), options_(options), dependence_(graph) {}
 
   std::vector<std::string> run() {
     for (size_t i = 0; i < graph_.nodes.size(); ++i) {
@@ -54,7 +54,7 @@ class Verifier {
     if (full != full_values_.end()) {
       const int64_t p = full->second;
       if (!live_.count(p)) fail(index, "uses parameter @", p, " after its release");
-      last_user_[p] = index;
+      users_[p].insert(index);
     }
   }
 
@@ -122,24 +122,24 @@ class Verifier {
         fail(index, "releases @", p, " which is not gathered");
         continue;
       }
-      check_tied_to_last_user(index, n, p);
+      check_tied_to_every_user(index, n, p);
+      users_.erase(p);
     }
   }
 
-  // The release must depend on the last user's output so that no compiler
-  // can move it before that use.
-  void check_tied_to_last_user(size_t index, const Node& n, int64_t p) {
-    auto last = last_user_.find(p);
-    if (last == last_user_.end()) return;
-    const Node& user = graph_.nodes[last->second];
-    if (user.outputs.empty()) return;
-    for (const Operand& o : n.operands) {
-      for (const std::string& out : user.outputs) {
-        if (o.value == out) return;
+  // The release must depend, directly or through later users, on every node
+  // that used the parameter since its wait: a compiler may compute any use
+  // late (fused into a later kernel), and only a data dependence stops it
+  // from running after the storage is freed.
+  void check_tied_to_every_user(size_t index, const Node& n, int64_t p) {
+    if (users_[p].empty()) return;
+    const size_t since = *users_[p].begin();
+    const std::set<size_t> covered = dependence_.ancestors(dependence_.definers(n.operands), since);
+    for (size_t u : users_[p]) {
+      if (!graph_.nodes[u].outputs.empty() && !covered.count(u)) {
+        fail(index, "release of @", p, " does not depend on its user (node ", u, ")");
       }
     }
-    fail(index, "release of @", p, " does not depend on its last user (node ",
-         last->second, ")");
   }
 
   void visit_reduce(size_t index, const Node& n) {
@@ -176,13 +176,14 @@ class Verifier {
 
   const Graph& graph_;
   VerifyOptions options_;
+  Dependence dependence_;
   std::vector<std::string> errors_;
   std::set<std::string> defined_;
   std::map<std::string, std::vector<int64_t>> gathers_;  // gather value -> params
   std::map<std::string, int64_t> full_values_;           // wait output -> param
   std::map<std::string, int64_t> gradients_;             // gradient value -> param
   std::map<int64_t, int> reductions_;                    // param -> reductions
-  std::map<int64_t, size_t> last_user_;
+  std::map<int64_t, std::set<size_t>> users_;  // param -> nodes that used it since its wait
   std::set<int64_t> in_flight_;
   std::set<int64_t> live_;
 };

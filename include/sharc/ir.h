@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,22 @@ struct Graph {
   /// Bytes of a value: an input's, a compute's, or the gathered parameter
   /// that a wait yields. Throws sharc::Error for unknown values.
   int64_t value_bytes(const std::string& value) const;
+};
+
+/// Which nodes feed which: built once over a graph (which must outlive it).
+class Dependence {
+ public:
+  explicit Dependence(const Graph& graph);
+  /// `seeds` and every node at index >= `from` whose outputs they read,
+  /// directly or transitively. A node computed by a compiler before any of
+  /// the seeds completes is in this set, whatever the compiler fuses.
+  std::set<size_t> ancestors(const std::vector<size_t>& seeds, size_t from) const;
+  /// The nodes defining the value operands (parameter operands are skipped).
+  std::vector<size_t> definers(const std::vector<Operand>& operands) const;
+
+ private:
+  const Graph& graph_;
+  std::map<std::string, size_t> definer_;
 };
 
 /// Parses the text form; throws sharc::Error naming the line on bad input.

@@ -6,9 +6,12 @@
 namespace sharc::ir {
 namespace {
 
+// Where a parameter is read: the first and last reading node, and every
+// reading node in order.
 struct Uses {
   size_t first = 0;
   size_t last = 0;
+  std::vector<size_t> users;
 };
 
 class InsertGatherRelease : public Pass {
@@ -18,6 +21,7 @@ class InsertGatherRelease : public Pass {
   int64_t run(Graph& graph) override {
     const std::map<int64_t, Uses> uses = find_uses(graph);
     if (uses.empty()) return 0;
+    const Dependence dependence(graph);
     std::vector<Node> out;
     for (size_t i = 0; i < graph.nodes.size(); ++i) {
       for (const auto& [p, u] : uses) {
@@ -29,7 +33,7 @@ class InsertGatherRelease : public Pass {
       }
       out.push_back(n);
       for (const auto& [p, u] : uses) {
-        if (u.last == i) emit_release(out, p, n);
+        if (u.last == i) emit_release(out, p, graph.nodes, sinks(dependence, u));
       }
     }
     graph.nodes = std::move(out);
@@ -44,8 +48,11 @@ class InsertGatherRelease : public Pass {
     for (size_t i = 0; i < graph.nodes.size(); ++i) {
       for (const Operand& o : graph.nodes[i].operands) {
         if (!o.is_param()) continue;
-        auto [it, fresh] = uses.try_emplace(*o.param, Uses{i, i});
-        if (!fresh) it->second.last = i;
+        auto [it, fresh] = uses.try_emplace(*o.param, Uses{i, i, {}});
+        it->second.last = i;
+        if (it->second.users.empty() || it->second.users.back() != i) {
+          it->second.users.push_back(i);
+        }
       }
     }
     return uses;
@@ -66,14 +73,31 @@ class InsertGatherRelease : public Pass {
     out.push_back(std::move(wait));
   }
 
-  // Depending on the last user's outputs keeps any later compiler from moving
-  // the release before that use.
-  static void emit_release(std::vector<Node>& out, int64_t p, const Node& last_user) {
+  // The users of a parameter that no later user reads from. The release
+  // depends on their outputs, and through them on every use: a compiler may
+  // compute an earlier use late (Inductor inlines a pointwise use into a
+  // consumer it emits after the release), and only a data dependence forces
+  // every read of the buffer to have run before its storage is freed.
+  static std::vector<size_t> sinks(const Dependence& dependence, const Uses& u) {
+    std::vector<size_t> sinks;
+    std::set<size_t> covered;
+    for (auto it = u.users.rbegin(); it != u.users.rend(); ++it) {
+      if (covered.count(*it)) continue;
+      sinks.insert(sinks.begin(), *it);
+      for (size_t a : dependence.ancestors({*it}, u.first)) covered.insert(a);
+    }
+    return sinks;
+  }
+
+  static void emit_release(std::vector<Node>& out, int64_t p, const std::vector<Node>& nodes,
+                           const std::vector<size_t>& sinks) {
     Node release;
     release.kind = NodeKind::Release;
     release.params = {p};
-    for (const std::string& v : last_user.outputs) {
-      release.operands.push_back(Operand::of_value(v));
+    for (size_t u : sinks) {
+      for (const std::string& v : nodes[u].outputs) {
+        release.operands.push_back(Operand::of_value(v));
+      }
     }
     out.push_back(std::move(release));
   }

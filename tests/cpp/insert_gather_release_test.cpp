@@ -37,7 +37,8 @@ release @0 after %u
 output %u
 )"));
   EXPECT_EQ(rewrites, 2);
-  // A parameter used twice is released once, after the second use.
+  // A parameter used twice is released once, after the second use (which
+  // reads the first use's output, so depending on it covers both).
   EXPECT_TRUE(verify(parse(out), VerifyOptions{false, false, false}).empty());
 }
 
@@ -56,6 +57,35 @@ param @0 "w" bytes=64
 release @0 after %y
 output %y
 )"));
+}
+
+// x * w[0] + w[1:].sum(): the first use feeds no later use, so the release
+// must depend on it as well as on the last one, or a compiler that fuses the
+// first use into the final add would read the buffer after it is freed.
+TEST(InsertGatherRelease, ReleaseDependsOnEveryUseNoLaterUseReads) {
+  auto pass = make_insert_gather_release();
+  const std::string out = run_pass(*pass, R"(
+param @0 "w" bytes=12
+%x = input bytes=16
+%a = compute "mul" %x @0 bytes=16
+%s = compute "sum" @0 bytes=4
+%c = compute "mul" %s @0 bytes=4
+%y = compute "add" %a %c bytes=16
+output %y
+)");
+  EXPECT_EQ(out, canonical(R"(
+param @0 "w" bytes=12
+%x = input bytes=16
+%sharc_gather_0 = gather @0
+%sharc_full_0 = wait %sharc_gather_0
+%a = compute "mul" %x %sharc_full_0 bytes=16
+%s = compute "sum" %sharc_full_0 bytes=4
+%c = compute "mul" %s %sharc_full_0 bytes=4
+release @0 after %a %c
+%y = compute "add" %a %c bytes=16
+output %y
+)"));
+  EXPECT_TRUE(verify(parse(out), VerifyOptions{false, false, false}).empty());
 }
 
 TEST(InsertGatherRelease, NothingToDo) {

@@ -59,7 +59,18 @@ TEST(IrVerifier, NeverWaited) {
 TEST(IrVerifier, ReleaseNotTiedToLastUser) {
   const auto e = check("%g = gather @0\n%w = wait %g\n%y = compute \"a\" %w bytes=4\n"
                        "%z = compute \"b\" %w bytes=4\nrelease @0 after %y\n");
-  EXPECT_TRUE(mentions(e, "does not depend on its last user"));
+  EXPECT_TRUE(mentions(e, "does not depend on its user (node 3)")) << (e.empty() ? "" : e[0]);
+}
+
+// Depending on the last user alone is not enough: Inductor may compute an
+// earlier, fused use after the release.
+TEST(IrVerifier, ReleaseNotTiedToAnEarlierUser) {
+  const std::string text = "%g = gather @0\n%w = wait %g\n%y = compute \"a\" %w bytes=4\n"
+                           "%z = compute \"b\" %w bytes=4\n";
+  auto e = check(text + "release @0 after %z\n");
+  EXPECT_TRUE(mentions(e, "does not depend on its user (node 2)"));
+  e = check(text + "release @0 after %y %z\n");
+  EXPECT_TRUE(e.empty()) << e[0];
 }
 
 TEST(IrVerifier, GradientReducedTwiceOrNever) {
