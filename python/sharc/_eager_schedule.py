@@ -29,15 +29,46 @@ from sharc._param_ref import ShardedParamRef
 
 
 class _SavedParam:
-    """A saved tensor that lives in a gathered buffer, kept as a handle."""
+    """A saved tensor that is a gathered parameter, a view of it, or a view of
+    a whole-parameter cast or copy of it, kept as a handle: backward gathers
+    again, casts to `dtype` and takes the same view."""
 
-    __slots__ = ("ref", "size", "stride", "offset")
+    __slots__ = ("ref", "dtype", "size", "stride", "offset")
 
     def __init__(self, ref: ShardedParamRef, t: torch.Tensor):
         self.ref = ref
+        self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+
+    def rebuild(self, full: torch.Tensor) -> torch.Tensor:
+        base = full if full.dtype == self.dtype else full.to(self.dtype)
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+# Autograd nodes of value-preserving ops a saved tensor may sit behind.
+_VIEW_NODES = frozenset({
+    "AliasBackward0", "AsStridedBackward0", "ExpandBackward0", "PermuteBackward0",
+    "SelectBackward0", "SliceBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "TBackward0", "TransposeBackward0", "UnsafeViewBackward0", "UnsqueezeBackward0",
+    "ViewBackward0"})
+_COPY_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
+_GATHER_TAG = "sharc_gathered_param"
+
+
+def _gathered_origin(t: torch.Tensor) -> ShardedParamRef | None:
+    """The parameter `t` was derived from by views, or by views of one cast or
+    copy of the whole gathered parameter (what autocast saves for backward);
+    None for anything else."""
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    if node is not None and type(node).__name__ in _COPY_NODES:
+        node = node.next_functions[0][0]  # must be the gather itself: no view before the copy
+    if node is None:
+        return None
+    return node.metadata.get(_GATHER_TAG)
 
 
 class _Scope:
@@ -47,6 +78,15 @@ class _Scope:
         self.full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
 
 
+def _skip_as_frames(cls):
+    from sharc._full_param_access import never_a_frame_of_its_own
+
+    for name in ("forward_pre_hook", "forward_hook"):
+        never_a_frame_of_its_own(getattr(cls, name))
+    return cls
+
+
+@_skip_as_frames
 class EagerSchedule:
     """Gather/release policy for one sharded root module (see the note above)."""
 
@@ -108,6 +148,7 @@ class EagerSchedule:
         full = ref.gather_op()
         scope.full[ref.pid] = (ref, full)
         if full.grad_fn is not None:
+            full.grad_fn.metadata[_GATHER_TAG] = ref
             full.grad_fn.register_hook(lambda *_: self._release_backward(ref.pid))
         return full
 
@@ -115,14 +156,15 @@ class EagerSchedule:
     @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
         ref = self._by_storage.get(t.untyped_storage()._cdata)
+        if ref is None and t.grad_fn is not None:
+            ref = _gathered_origin(t)
         return t if ref is None else _SavedParam(ref, t)
 
     @torch.compiler.disable
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParam):
             return saved
-        full = self._gather_for_backward(saved.ref)
-        return full.as_strided(saved.size, saved.stride, saved.offset)
+        return saved.rebuild(self._gather_for_backward(saved.ref))
 
     def _gather_for_backward(self, ref: ShardedParamRef) -> torch.Tensor:
         entry = self._backward_full.get(ref.pid)

@@ -26,7 +26,23 @@ def _full_param_property(name: str) -> property:
             return ref.all_gather_op()
         return module._sharc_schedule.read(ref)
 
+    never_a_frame_of_its_own(get)
     return property(get, doc=f"The full (gathered) parameter '{name}'.")
+
+
+def never_a_frame_of_its_own(fn) -> None:
+    """[Note: sharc code is inlined or eager, never a compiled frame]
+    When Dynamo gives up on a frame (a graph break in a loop, an exception),
+    that frame runs eagerly and Dynamo compiles each function it calls as a
+    frame of its own, sharc's property getter and module hooks among them.
+    Compiled alone, the getter is a graph whose output is a full parameter (a
+    copy nobody releases) and a hook does nothing (a scope entered eagerly is
+    never left, or the reverse). Skipping their code objects as frames keeps
+    them eager there, while Dynamo still inlines them into any frame it
+    traces (inlining looks at `_torchdynamo_disable`, which stays unset)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
 
 
 @functools.lru_cache(maxsize=None)
