@@ -11,6 +11,7 @@ RuntimeTable& RuntimeTable::instance() {
 
 c10::intrusive_ptr<Runtime> RuntimeTable::get_or_create(const std::string& group_name) {
   std::lock_guard<std::mutex> lock(mutex_);
+  forget_destroyed_locked();
   auto it = runtimes_.find(group_name);
   if (it != runtimes_.end() && it->second->is_current()) {
     return it->second;
@@ -27,6 +28,12 @@ c10::intrusive_ptr<Runtime> RuntimeTable::get(const std::string& group_name) {
   SHARC_CHECK(it != runtimes_.end(), "sharc: no runtime for process group '",
               group_name, "'; call sharc.shard(module, group) first");
   return it->second;
+}
+
+void RuntimeTable::forget_destroyed_locked() {
+  for (auto it = runtimes_.begin(); it != runtimes_.end();) {
+    it = it->second->group_alive() ? std::next(it) : runtimes_.erase(it);
+  }
 }
 
 void RuntimeTable::forget(const std::string& group_name) {

@@ -18,6 +18,8 @@ class Communicator {
  public:
   /// Resolves the group by the name c10d registered it under
   /// (`ProcessGroup.group_name` in Python); throws if none is registered.
+  /// Holds it weakly: destroying the group (destroy_process_group) really
+  /// ends it, and later collectives here fail with a clear error.
   explicit Communicator(const std::string& group_name);
 
   int64_t rank() const { return rank_; }
@@ -26,6 +28,10 @@ class Communicator {
   /// Whether this communicator still talks through the group c10d now
   /// registers under its name (a destroyed and re-created group may reuse it).
   bool is_current() const;
+
+  /// Whether the group still exists (it is held weakly: sharc never keeps a
+  /// process group alive past destroy_process_group()).
+  bool is_alive() const;
 
   /// Non-blocking. `out` holds world_size * shard.numel() elements and is
   /// written in rank order.
@@ -38,8 +44,11 @@ class Communicator {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in);
 
  private:
+  /// The group for one call; throws naming the group if it was destroyed.
+  c10::intrusive_ptr<c10d::ProcessGroup> live_group() const;
+
   std::string group_name_;
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
   int64_t rank_ = 0;
   int64_t world_size_ = 1;
 };

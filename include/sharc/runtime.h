@@ -120,6 +120,8 @@ class Runtime : public torch::CustomClassHolder {
   int64_t world_size() const { return comm_.world_size(); }
   const std::string& group_name() const { return comm_.group_name(); }
   bool is_current() const { return comm_.is_current(); }
+  /// Whether the process group still exists (sharc holds it weakly).
+  bool group_alive() const { return comm_.is_alive(); }
   /// Throws unless `shard` shares storage with parameter `id`'s registered
   /// shard (catches ids from another runtime and replaced `.data`).
   void check_shard(int64_t id, const at::Tensor& shard);

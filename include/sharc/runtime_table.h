@@ -28,6 +28,10 @@ class RuntimeTable {
   void forget(const std::string& group_name);
 
  private:
+  /// Drops the runtimes of groups that no longer exist (their modules may
+  /// still hold them; the table does not).
+  void forget_destroyed_locked();
+
   std::mutex mutex_;
   std::unordered_map<std::string, c10::intrusive_ptr<Runtime>> runtimes_;
 };

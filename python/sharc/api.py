@@ -73,12 +73,27 @@ def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, Shard
 
 
 class _ShardedRoot:
-    """What shard() leaves on the root module for the checkpoint helpers."""
+    """What shard() leaves on the root module for the checkpoint helpers.
+
+    It keeps the group's name, not the group: a sharded module must not keep
+    a process group alive past destroy_process_group() (the runtime holds it
+    weakly too)."""
 
     def __init__(self, group, runtime, refs_by_param):
-        self.group = group
+        self.group_name = group.group_name
         self.runtime = runtime
         self.refs_by_shard = {id(ref.shard): ref for ref in refs_by_param.values()}
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group, while it exists."""
+        try:
+            return torch._C._distributed_c10d._resolve_process_group(self.group_name)
+        except RuntimeError:
+            raise RuntimeError(
+                f"sharc: the process group '{self.group_name}' this module was sharded on "
+                "has been destroyed; build and shard the module again on a live group"
+            ) from None
 
 
 def sharded_root(module: torch.nn.Module) -> _ShardedRoot:
