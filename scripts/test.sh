@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: C++ unit tests through CTest (plain, then under
-# sanitizers), then the multi-process
-# Python tests through pytest. Run scripts/setup.sh first.
+# ASan + UBSan), then the multi-process Python tests through pytest.
+# Run scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"  # cmake/ninja from pip, if setup installed them there
