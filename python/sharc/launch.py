@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,6 +44,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 own default is 30 minutes for gloo, 10 for NCCL)."""
 
 _WATCH_PERIOD_S = 0.25
+_EXIT_GRACE_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -237,13 +239,24 @@ class _LocalJob:
 
     def _wait(self) -> list[int]:
         """Blocks until every rank has exited (returns []) or some failed
-        (returns those ranks)."""
+        (returns those ranks). Ranks that finished but do not exit within
+        `_EXIT_GRACE_S` (a non-daemon thread?) are left to `_stop`."""
+        finished_at = None
         while True:
             waiting = [r.conn for r in self.ranks if r.conn is not None]
             waiting += [r.process.sentinel for r in self.ranks if r.process.exitcode is None]
             if not waiting:
                 return []
-            multiprocessing.connection.wait(waiting)
+            if finished_at is None and all(r.done for r in self.ranks):
+                finished_at = time.monotonic()
+            if finished_at is not None:
+                left = finished_at + _EXIT_GRACE_S - time.monotonic()
+                if left <= 0:
+                    _warn_not_exiting([r.rank for r in self.ranks if r.process.is_alive()])
+                    return []
+                multiprocessing.connection.wait(waiting, timeout=left)
+            else:
+                multiprocessing.connection.wait(waiting)
             for r in self.ranks:
                 r.receive()
             failed = [r.rank for r in self.ranks if r.failed()]
@@ -257,6 +270,12 @@ class _LocalJob:
         for r in self.ranks:
             r.process.join(timeout=10)
             r.receive()
+
+
+def _warn_not_exiting(ranks: list[int]) -> None:
+    warnings.warn(f"sharc.launch: ranks {ranks} finished but did not exit within "
+                  f"{_EXIT_GRACE_S:.0f}s (a non-daemon thread still running?); they were "
+                  "killed", RuntimeWarning, stacklevel=3)
 
 
 def _exit_reason(r: _Rank) -> str:

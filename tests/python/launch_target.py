@@ -5,6 +5,8 @@ Every rank all-reduces six times; in "step 3" rank 1 fails as MODE says:
   thread   raises, and a non-daemon thread keeps its process alive 600 s
   exit     calls os._exit(3) without a word
   ok       does not fail
+  linger   does not fail, but a non-daemon thread keeps rank 1 alive 600 s
+           (the launcher waits LINGER_GRACE_S for it to exit, then kills it)
 """
 
 import os
@@ -15,7 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
+import sharc.launch
 from sharc.launch import launch
+
+LINGER_GRACE_S = 2.0
 
 
 def step3(rank):
@@ -25,9 +30,9 @@ def step3(rank):
 def fail_in_step3(rank, mode):
     if mode == "exit":
         os._exit(3)
-    if mode == "thread":
+    if mode in ("thread", "linger"):
         threading.Thread(target=time.sleep, args=(600,)).start()
-    if mode != "ok":
+    if mode not in ("ok", "linger"):
         step3(rank)
 
 
@@ -47,5 +52,6 @@ def job(mode):
 
 if __name__ == "__main__":
     timeout = float(sys.argv[2]) if len(sys.argv) > 2 else None
+    sharc.launch._EXIT_GRACE_S = LINGER_GRACE_S
     launch(job, 2, args=(sys.argv[1],), timeout=timeout)
     print("job finished")

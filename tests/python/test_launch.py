@@ -51,6 +51,14 @@ def test_rank_exiting_without_a_report():
     assert "rank 1 exited with code 3 without reporting an error" in r.stderr, r.stderr[-3000:]
 
 
+def test_rank_that_finished_but_does_not_exit():
+    r, elapsed = _run([sys.executable, TARGET, "linger"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert elapsed < LIMIT_S, f"took {elapsed:.0f}s:\n{r.stderr[-3000:]}"
+    assert "job finished" in r.stdout
+    assert "ranks [1] finished but did not exit within 2s" in r.stderr, r.stderr[-3000:]
+
+
 def test_under_torchrun_the_collective_timeout_applies():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     r, elapsed = _run([torchrun, "--standalone", "--nproc-per-node", "2", TARGET,
