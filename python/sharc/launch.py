@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -90,12 +91,27 @@ def launch(fn: Callable, nproc: int, backend: str = "gloo", args: tuple = (),
     collective waits for the other ranks.
     """
     timeout = _as_timeout(timeout)
+    if not callable(fn):
+        raise TypeError(f"launch(fn, ...): fn must be callable, got {type(fn).__name__}")
     if launched_by_torchrun():
         _run_rank(backend, timeout, fn, args)
         return
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be an int of at least 1, got {nproc!r}")
+    _check_picklable(fn, args)
     _LocalJob(nproc, backend, timeout).run(fn, args)
+
+
+def _check_picklable(fn: Callable, args: tuple) -> None:
+    """Spawned ranks receive fn and args pickled: fail here, before any
+    rank starts, rather than in the middle of starting them."""
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:  # noqa: BLE001  (pickling raises several types)
+        raise TypeError(
+            f"launch(fn, ...): fn and args must be picklable to start local ranks ({e}); "
+            "define fn at the top level of a module (not a lambda or a nested function) "
+            "and pass plain data in args") from e
 
 
 def _run_rank(backend: str, timeout: timedelta, fn: Callable, args: tuple,

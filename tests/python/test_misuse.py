@@ -9,6 +9,7 @@ More cases: test_errors.py (shard), test_launch.py (failing ranks).
 import math
 import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -67,6 +68,18 @@ def test_launch_bad_timeout(timeout):
 
     with pytest.raises(ValueError, match=r"launch\(timeout=...\) must be a positive number"):
         launch(print, 1, timeout=timeout)
+
+
+def test_launch_fn_that_cannot_reach_the_ranks():
+    from sharc.launch import launch
+
+    with pytest.raises(TypeError, match=r"fn must be callable, got int"):
+        launch(3, 2)
+    with pytest.raises(TypeError, match=r"fn and args must be picklable to start local ranks "
+                                        r"\(.*\); define fn at the top level of a module"):
+        launch(lambda: None, 2)
+    with pytest.raises(TypeError, match=r"must be picklable"):
+        launch(print, 2, args=(threading.Lock(),))
 
 
 # --------------------------------------------------------------- configs
