@@ -30,7 +30,11 @@ int64_t Graph::value_bytes(const std::string& value) const {
         if (g.kind == NodeKind::Gather && !g.outputs.empty() &&
             !n.operands.empty() && g.outputs[0] == n.operands[0].value &&
             i < g.params.size()) {
-          return params.at(g.params[i]).bytes;
+          auto p = params.find(g.params[i]);
+          SHARC_CHECK(p != params.end(), "sharc ir: %", value, " is parameter @", g.params[i],
+                      ", which is not declared; add a line 'param @", g.params[i],
+                      " \"name\" bytes=B'");
+          return p->second.bytes;
         }
       }
     }
@@ -95,6 +99,9 @@ void parse_attribute(Node& node, const std::string& key, const std::string& valu
   } else if (key == "grad") {
     node.grad_of = param_id(value, lineno);
   } else if (key == "param") {
+    SHARC_CHECK(node.kind == NodeKind::Input, "sharc ir line ", lineno,
+                ": only an input takes 'param=' (a full parameter saved by forward); a ",
+                to_string(node.kind), " names parameters as @N operands");
     node.params.push_back(param_id(value, lineno));
   } else {
     throw Error(detail::concat("sharc ir line ", lineno, ": unknown attribute '", key, "'"));
@@ -130,8 +137,13 @@ Param parse_param(const std::vector<std::string>& tokens, int lineno) {
   SHARC_CHECK(tokens.size() == 4 && tokens[2].front() == '"' &&
                   tokens[3].rfind("bytes=", 0) == 0,
               "sharc ir line ", lineno, ": expected 'param @N \"name\" bytes=B'");
-  return Param{param_id(tokens[1], lineno), tokens[2].substr(1, tokens[2].size() - 2),
-               std::stoll(tokens[3].substr(6))};
+  int64_t bytes = 0;
+  try {
+    bytes = std::stoll(tokens[3].substr(6));
+  } catch (const std::logic_error&) {  // not a number, or out of range
+    throw Error(detail::concat("sharc ir line ", lineno, ": bad value in '", tokens[3], "'"));
+  }
+  return Param{param_id(tokens[1], lineno), tokens[2].substr(1, tokens[2].size() - 2), bytes};
 }
 
 Node parse_node(const std::vector<std::string>& tokens, int lineno) {

@@ -3,6 +3,7 @@
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
 from sharc.api import memory_stats, reset_memory_stats, shard
+from sharc.clip import clip_grad_norm_
 from sharc.config import CompileConfig, ShardConfig
 from sharc.state_dict import full_state_dict, load_full_state_dict
 
@@ -11,6 +12,7 @@ _compile.register()  # torch.compile(model, backend="sharc")
 __all__ = [
     "CompileConfig",
     "ShardConfig",
+    "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",
     "memory_stats",

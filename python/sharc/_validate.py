@@ -3,6 +3,8 @@ message that says what is wrong and how to fix it."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -10,13 +12,24 @@ import torch.distributed as dist
 _BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "mpi": {"cpu", "cuda"}}
 
 
-def check_group(group) -> dist.ProcessGroup:
+def check_group(group, who: str = "sharc") -> dist.ProcessGroup:
+    """The group to use (default: the world), once torch.distributed is set up."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "sharc.shard() needs an initialized torch.distributed process group: call "
+            f"{who} needs an initialized torch.distributed process group: call "
             "torch.distributed.init_process_group(...) first, or start the ranks with "
-            "`python -m sharc.train` / torchrun")
+            "sharc.launch.launch(), `python -m sharc.train` or torchrun")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{who}: group must be a torch.distributed.ProcessGroup (or None for "
+                        f"the default group), got {type(group).__name__}")
     return group if group is not None else dist.group.WORLD
+
+
+def group_device(group) -> torch.device:
+    """A device the group's backend communicates: the CPU if it can."""
+    if "cpu" in _backend_devices(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def check_not_sharded(module: torch.nn.Module) -> None:
@@ -52,10 +65,18 @@ def check_devices(module: torch.nn.Module, group) -> None:
                 ".cuda() for nccl) or use a group with a matching backend")
 
 
+def _digest(p: torch.Tensor) -> str:
+    """A hash of the parameter's raw bytes, element by element in row-major
+    order: any changed or moved element changes it (a sum would not see two
+    swapped values)."""
+    raw = p.detach().reshape(-1).contiguous().cpu().view(torch.uint8)  # any dtype, bf16 too
+    return hashlib.blake2b(raw.numpy(), digest_size=16).hexdigest()
+
+
 def _signature(named_params, checksum: bool) -> list[tuple]:
     sig = []
     for fqn, p in named_params:
-        value = float(p.detach().double().sum()) if checksum and p.numel() else 0.0
+        value = _digest(p) if checksum else ""
         sig.append((fqn, tuple(p.shape), str(p.dtype), value))
     return sig
 

@@ -10,7 +10,7 @@ class ShardConfig:
 
     verify_replicas: bool = True
     """Check at shard() time, with one collective, that every rank holds the
-    same parameters (names, shapes, dtypes and a value checksum). Ranks that
+    same parameters (names, shapes, dtypes and a hash of the values). Ranks that
     start from different values would each keep a slice of a different model."""
 
     keep_gathered: tuple[str, ...] = ()
@@ -20,11 +20,8 @@ class ShardConfig:
     communication, for small parameters read in many places."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.keep_gathered, str) or not all(
-                isinstance(n, str) for n in self.keep_gathered):
-            raise TypeError("ShardConfig.keep_gathered must be a tuple of parameter names, "
-                            f"got {self.keep_gathered!r}")
-        self.keep_gathered = tuple(self.keep_gathered)
+        self.keep_gathered = _names("ShardConfig.keep_gathered", self.keep_gathered,
+                                    "parameter names")
         if not isinstance(self.verify_replicas, bool):
             raise TypeError(
                 f"ShardConfig.verify_replicas must be a bool, got {self.verify_replicas!r}")
@@ -63,7 +60,13 @@ class CompileConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CompileConfig.{name} must be an int >= 0, got {value!r}")
-        self.disable_passes = tuple(self.disable_passes)
+        self.disable_passes = _names("CompileConfig.disable_passes", self.disable_passes,
+                                     "pass names")
+        if self.dump_ir is not None:
+            if not isinstance(self.dump_ir, (str, os.PathLike)):
+                raise TypeError("CompileConfig.dump_ir must be a directory path (str) or "
+                                f"None, got {self.dump_ir!r}")
+            self.dump_ir = os.fspath(self.dump_ir)
         passes = _pass_names()
         unknown = [p for p in self.disable_passes if p not in passes]
         if unknown:
@@ -84,6 +87,22 @@ class CompileConfig:
             raise ValueError(f"unknown sharc compile option {unknown[0]!r}; the options are "
                              f"{', '.join(cls.__dataclass_fields__)}")
         return cls(**fields)
+
+
+def _names(field: str, value, what: str) -> tuple[str, ...]:
+    """A tuple of strings from any iterable of strings; a lone string is an
+    error (it would be read as its characters)."""
+    if isinstance(value, str):
+        raise TypeError(f"{field} must be a tuple of {what}, got the string {value!r}: "
+                        f"write ({value!r},)")
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise TypeError(f"{field} must be a tuple of {what}, got {value!r}") from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{field} must be a tuple of {what} (strings), got {bad[0]!r} in it")
+    return names
 
 
 def _pass_names() -> list[str]:

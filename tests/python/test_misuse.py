@@ -1,0 +1,290 @@
+"""Misuse gets a clear error, never a segfault, a hang or a silent no-op.
+
+Each case asserts the exact error type and a fragment of its message. Cases
+in one process run under an alarm; multi-rank cases run in one job per
+test under the harness timeout (a hang fails, it never stalls the suite).
+More cases: test_errors.py (shard), test_launch.py (failing ranks).
+"""
+
+import math
+import re
+import signal
+import threading
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+ALARM_S = 60
+
+
+@pytest.fixture(autouse=True)
+def _alarm():
+    def fail(signum, frame):
+        raise TimeoutError(f"a misuse case ran longer than {ALARM_S}s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(ALARM_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+# ------------------------------------------------ no process group at all
+
+
+@pytest.mark.parametrize("call, who", [
+    (lambda sharc: sharc.shard(torch.nn.Linear(2, 2)), "sharc"),
+    (lambda sharc: sharc.memory_stats(), "sharc"),
+    (lambda sharc: sharc.reset_memory_stats(), "sharc"),
+    (lambda sharc: sharc.clip_grad_norm_(torch.nn.Linear(2, 2), 1.0),
+     "sharc.clip_grad_norm_()"),
+])
+def test_needs_a_process_group(call, who):
+    import sharc
+
+    with pytest.raises(RuntimeError,
+                       match="^" + re.escape(f"{who} needs an initialized torch.distributed "
+                                             "process group: call torch.distributed."
+                                             "init_process_group(...) first")):
+        call(sharc)
+
+
+# ------------------------------------------------------------ launcher
+
+
+@pytest.mark.parametrize("nproc", [0, -1, 1.5, True, "2"])
+def test_launch_bad_nproc(nproc):
+    from sharc.launch import launch
+
+    with pytest.raises(ValueError, match=r"--nproc must be an int of at least 1, got"):
+        launch(print, nproc)
+
+
+@pytest.mark.parametrize("timeout", [0, -3, "5", False])
+def test_launch_bad_timeout(timeout):
+    from sharc.launch import launch
+
+    with pytest.raises(ValueError, match=r"launch\(timeout=...\) must be a positive number"):
+        launch(print, 1, timeout=timeout)
+
+
+def test_launch_fn_that_cannot_reach_the_ranks():
+    from sharc.launch import launch
+
+    with pytest.raises(TypeError, match=r"fn must be callable, got int"):
+        launch(3, 2)
+    with pytest.raises(TypeError, match=r"fn and args must be picklable to start local ranks "
+                                        r"\(.*\); define fn at the top level of a module"):
+        launch(lambda: None, 2)
+    with pytest.raises(TypeError, match=r"must be picklable"):
+        launch(print, 2, args=(threading.Lock(),))
+
+
+# --------------------------------------------------------------- configs
+
+SHARD_CONFIG_CASES = [
+    (dict(verify_replicas="yes"), TypeError, "ShardConfig.verify_replicas must be a bool"),
+    (dict(verify_replicas=1), TypeError, "ShardConfig.verify_replicas must be a bool"),
+    (dict(keep_gathered="fc.weight"), TypeError, "got the string 'fc.weight': write"),
+    (dict(keep_gathered=5), TypeError, "keep_gathered must be a tuple of parameter names"),
+    (dict(keep_gathered=("w", 3)), TypeError, "(strings), got 3 in it"),
+    (dict(shard_everything=True), TypeError, "unexpected keyword argument 'shard_everything'"),
+]
+
+
+@pytest.mark.parametrize("fields, error, fragment", SHARD_CONFIG_CASES)
+def test_shard_config_bad_fields(fields, error, fragment):
+    from sharc import ShardConfig
+
+    with pytest.raises(error, match=re.escape(fragment)):
+        ShardConfig(**fields)
+
+
+def test_configs_are_keyword_only():
+    from sharc import CompileConfig, ShardConfig
+
+    for cls in (ShardConfig, CompileConfig):
+        with pytest.raises(TypeError, match="positional argument"):
+            cls(True)
+
+
+COMPILE_CONFIG_CASES = [
+    (dict(inductor="no"), TypeError, "CompileConfig.inductor must be a bool"),
+    (dict(gather_bucket_bytes=-1), ValueError, "gather_bucket_bytes must be an int >= 0"),
+    (dict(gather_bucket_bytes=1.5), ValueError, "gather_bucket_bytes must be an int >= 0"),
+    (dict(gather_bucket_bytes=True), ValueError, "gather_bucket_bytes must be an int >= 0"),
+    (dict(reduce_bucket_bytes="4MiB"), ValueError, "reduce_bucket_bytes must be an int >= 0"),
+    (dict(disable_passes="bucket_allgathers"), TypeError,
+     "got the string 'bucket_allgathers': write"),
+    (dict(disable_passes=3), TypeError, "disable_passes must be a tuple of pass names"),
+    (dict(disable_passes=(None,)), TypeError, "got None in it"),
+    (dict(disable_passes=("nope",)), ValueError, "unknown pass 'nope'; the passes are "),
+    (dict(dump_ir=5), TypeError, "CompileConfig.dump_ir must be a directory path"),
+]
+
+
+@pytest.mark.parametrize("fields, error, fragment", COMPILE_CONFIG_CASES)
+def test_compile_config_bad_fields(fields, error, fragment):
+    from sharc import CompileConfig
+
+    with pytest.raises(error, match=re.escape(fragment)):
+        CompileConfig(**fields)
+
+
+def test_compile_config_every_field_is_checked():
+    # A new field must come with a bad-value case above.
+    from sharc import CompileConfig, ShardConfig
+
+    covered = {k for fields, _, _ in COMPILE_CONFIG_CASES for k in fields}
+    assert covered == set(CompileConfig.__dataclass_fields__)
+    covered = {k for fields, _, _ in SHARD_CONFIG_CASES for k in fields}
+    assert set(ShardConfig.__dataclass_fields__) <= covered
+
+
+def test_compile_options_unknown_key():
+    from sharc import CompileConfig
+
+    with pytest.raises(ValueError, match="unknown sharc compile option 'bucket_bytes'; "
+                                         "the options are inductor"):
+        CompileConfig.from_options({"bucket_bytes": 1})
+
+
+# ------------------------------------------------------------ shard()
+
+
+def _swap_one_pair(t: torch.Tensor) -> None:
+    flat = t.data.view(-1)
+    flat[[0, 1]] = flat[[1, 0]].clone()
+
+
+def _shard_misuse(rank, world):
+    import sharc
+
+    errors = {}
+
+    def attempt(name, fn, *exc):
+        try:
+            fn()
+            errors[name] = None
+        except exc as e:
+            errors[name] = (type(e).__name__, str(e))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3, dtype=dtype)
+        if rank == 1:  # same values, same sum, two of them swapped
+            _swap_one_pair(lin.weight)
+        attempt(f"swap_{dtype}", lambda: sharc.shard(lin), RuntimeError)
+    lin = torch.nn.Linear(3, 3)
+    attempt("first", lambda: sharc.shard(lin), RuntimeError)
+    attempt("twice", lambda: sharc.shard(lin), RuntimeError)
+    attempt("meta", lambda: sharc.shard(torch.nn.Linear(3, 3, device="meta")), RuntimeError)
+    attempt("group", lambda: sharc.shard(torch.nn.Linear(3, 3), group="world"), TypeError)
+    attempt("keep", lambda: sharc.shard(
+        torch.nn.Linear(3, 3), config=sharc.ShardConfig(keep_gathered=("weights",))),
+        ValueError)
+    attempt("stats_group", lambda: sharc.memory_stats(group=0), TypeError)
+    return errors
+
+
+def test_shard_misuse():
+    for errors in run_ranks(_shard_misuse, 2, timeout=120):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert errors[f"swap_{dtype}"] == (
+                "RuntimeError", "parameter 'weight' has different values on rank 0 and rank 1: "
+                "seed every rank identically before building the model (or load a checkpoint "
+                "after shard()), or pass ShardConfig(verify_replicas=False) if this is "
+                "intended"), dtype
+        assert errors["first"] is None
+        assert errors["twice"][0] == "RuntimeError"
+        assert "sharc.shard() was already called on this module" in errors["twice"][1]
+        assert errors["meta"][0] == "RuntimeError"
+        assert "parameter 'weight' is on device 'meta'" in errors["meta"][1]
+        assert errors["group"] == (
+            "TypeError", "sharc: group must be a torch.distributed.ProcessGroup (or None for "
+            "the default group), got str")
+        assert errors["keep"][0] == "ValueError"
+        assert "keep_gathered names 'weights', which is not a parameter" in errors["keep"][1]
+        assert errors["stats_group"][0] == "TypeError"
+
+
+# --------------------------------------------------- clip_grad_norm_()
+
+
+def _sharded_linear_with_grads():
+    import sharc
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3)
+    sharc.shard(lin)
+    lin(torch.ones(2, 5)).sum().backward()
+    return lin
+
+
+def _clip_misuse(rank, world):
+    import sharc
+
+    lin = _sharded_linear_with_grads()
+    plain = torch.nn.Linear(5, 3)
+    plain(torch.ones(2, 5)).sum().backward()
+    errors = {}
+
+    def attempt(name, *args, **kwargs):
+        try:
+            sharc.clip_grad_norm_(*args, **kwargs)
+            errors[name] = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors[name] = (type(e).__name__, str(e))
+
+    attempt("mixture", [*lin.parameters(), *plain.parameters()], 1.0)
+    attempt("unsharded", plain, 1.0)
+    # Only rank 1 passes a foreign parameter: both ranks fail, neither hangs.
+    attempt("one_rank", [*lin.parameters(), *([plain.weight] if rank == 1 else [])], 1.0)
+    attempt("norm_zero", lin, 1.0, norm_type=0)
+    attempt("norm_neg_inf", lin, 1.0, norm_type=-math.inf)
+    attempt("norm_nan", lin, 1.0, norm_type=math.nan)
+    attempt("max_norm_neg", lin, -1.0)
+    attempt("max_norm_str", lin, "big")
+    attempt("not_tensors", [lin.weight, "bias"], 1.0)
+    attempt("group", lin, 1.0, group="world")
+    # lin.weight outside forward is a gathered copy: a full tensor, not a shard.
+    attempt("gathered_copy", [lin.weight], 1.0)
+    shard = dict(lin.named_parameters())["weight"]
+    shard.grad[0] = math.nan if rank == 0 else 0.0  # only one rank's shard is bad
+    attempt("nonfinite", lin, 1.0, error_if_nonfinite=True)
+    total = sharc.clip_grad_norm_(lin, 1.0)  # as in torch: a NaN norm, NaN gradients
+    errors["nan_total"] = (math.isnan(float(total)), bool(shard.grad.isnan().all()))
+    return errors
+
+
+def test_clip_misuse():
+    results = run_ranks(_clip_misuse, 2, timeout=120)
+    for rank, errors in enumerate(results):
+        for case in ("mixture", "unsharded", "gathered_copy"):
+            kind, msg = errors[case]
+            assert kind == "ValueError", case
+            assert "are not shards of group" in msg and "torch.nn.utils.clip_grad_norm_" in msg
+        assert "2 of the 4 parameters given (the first: #2, shape (3, 5))" in \
+            errors["mixture"][1]
+        kind, msg = errors["one_rank"]
+        assert kind == "ValueError"
+        if rank == 1:
+            assert "1 of the 3 parameters given (the first: #2, shape (3, 5))" in msg
+        else:
+            assert "another rank was given parameters that are not shards" in msg
+        for case in ("norm_zero", "norm_neg_inf", "norm_nan"):
+            assert errors[case][0] == "ValueError", case
+            assert "norm_type must be a positive number or inf" in errors[case][1]
+        assert errors["max_norm_neg"] == (
+            "ValueError", "sharc.clip_grad_norm_(): max_norm must be >= 0, got -1.0")
+        assert errors["max_norm_str"][0] == "TypeError"
+        assert "max_norm and norm_type must be numbers, got 'big'" in errors["max_norm_str"][1]
+        assert errors["not_tensors"][0] == "TypeError"
+        assert "got an element of type str" in errors["not_tensors"][1]
+        assert errors["group"][0] == "TypeError"
+        assert "sharc.clip_grad_norm_(): group must be a" in errors["group"][1]
+        assert errors["nonfinite"][0] == "RuntimeError"
+        assert "the total norm of order 2.0 of the gradients is nan" in errors["nonfinite"][1]
+        assert errors["nan_total"] == (True, True)
