@@ -53,8 +53,9 @@ at::Tensor reduce_scatter_kernel(const at::Tensor& grad, const std::string& grou
 
 at::Tensor reduce_scatter_meta(const at::Tensor& grad, const std::string& group,
                                int64_t param) {
-  const ShardLayout layout = RuntimeTable::instance().get(group)->layout(param);
-  return at::empty({layout.shard_numel()}, grad.options().device(c10::kMeta));
+  auto runtime = RuntimeTable::instance().get(group);
+  return at::empty({runtime->layout(param).shard_numel()},
+                   grad.options().device(c10::kMeta).dtype(runtime->reduce_dtype(param)));
 }
 
 at::Tensor call_reduce_scatter(const at::Tensor& grad, const std::string& group,

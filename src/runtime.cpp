@@ -16,7 +16,8 @@ ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
       shape(std::move(shape_)),
       layout(layout_),
       shard(std::move(shard_)),
-      state(name) {
+      state(name),
+      reduce_dtype(shard.scalar_type()) {
   base = at::empty({layout.padded_numel()}, shard.options());
   c10::Storage storage = base.storage();
   free_storage(storage);
@@ -253,11 +254,17 @@ void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
               "' is already in flight; finish it before starting another");
   const int64_t world = comm_.world_size();
   PendingReduction pending;
+  // One collective in the widest reduce dtype of the bucket; each result is
+  // cast back to its parameter's reduce dtype when waited.
+  c10::ScalarType bucket_dtype = param(ids[0]).reduce_dtype;
+  for (int64_t id : ids) bucket_dtype = c10::promoteTypes(bucket_dtype, param(id).reduce_dtype);
   std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
   for (size_t i = 0; i < ids.size(); ++i) {
     const ShardedParam& p = param(ids[i]);
-    rows.push_back(pad_grad(p, full_grads[i]).view({world, p.layout.shard_numel()}));
+    at::Tensor padded = pad_grad(p, full_grads[i].to(bucket_dtype));
+    rows.push_back(padded.view({world, p.layout.shard_numel()}));
     pending.widths.push_back(p.layout.shard_numel());
+    pending.dtypes.push_back(p.reduce_dtype);
   }
   // Rank-major input: row r holds rank r's slice of every gradient. The
   // input is kept alive with the work: the collective reads it until done.
@@ -283,14 +290,15 @@ std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t
   }
   if (pending.work) pending.work->wait();
   at::Tensor out = pending.out.div_(comm_.world_size());
-  if (pending.widths.size() == 1) return {out};
+  if (pending.widths.size() == 1) return {out.to(pending.dtypes[0])};
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
   int64_t offset = 0;
-  for (int64_t width : pending.widths) {
-    shards.push_back(out.narrow(0, offset, width).clone());
-    offset += width;
+  for (size_t i = 0; i < pending.widths.size(); ++i) {
+    at::Tensor slice = out.narrow(0, offset, pending.widths[i]);
+    shards.push_back(slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true));
+    offset += pending.widths[i];
   }
   return shards;
 }
@@ -311,6 +319,19 @@ void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
               "') is not the shard sharc registered: the module was sharded on a process "
               "group that has since been destroyed, or the parameter's .data was replaced; "
               "shard the module again on the current group");
+}
+
+void Runtime::set_reduce_dtype(int64_t id, c10::ScalarType dtype) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ShardedParam& p = param(id);
+  SHARC_CHECK(at::isFloatingType(dtype) || at::isComplexType(dtype), "sharc: '", p.name,
+              "' cannot reduce its gradient in ", dtype, ": use a floating-point dtype");
+  p.reduce_dtype = dtype;
+}
+
+c10::ScalarType Runtime::reduce_dtype(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).reduce_dtype;
 }
 
 void Runtime::set_persistent(int64_t id, bool persistent) {

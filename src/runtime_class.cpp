@@ -35,6 +35,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("release", &sharc::Runtime::release)
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
+      .def("set_reduce_dtype", &sharc::Runtime::set_reduce_dtype)
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)
       .def("stats", &sharc::Runtime::stats)

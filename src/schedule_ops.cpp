@@ -88,7 +88,7 @@ std::vector<at::Tensor> reduce_scatter_wait_meta(const at::Tensor& token,
   std::vector<at::Tensor> shards;
   for (int64_t id : params) {
     const int64_t numel = runtime->layout(id).shard_numel();
-    shards.push_back(at::empty({numel}, token.options()));
+    shards.push_back(at::empty({numel}, token.options().dtype(runtime->reduce_dtype(id))));
   }
   return shards;
 }

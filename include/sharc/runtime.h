@@ -40,6 +40,7 @@ struct PendingReduction {
   at::Tensor input;
   at::Tensor out;
   std::vector<int64_t> widths;
+  std::vector<c10::ScalarType> dtypes;  ///< each parameter's reduce dtype
 };
 
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
@@ -56,6 +57,9 @@ struct ShardedParam {
   c10::intrusive_ptr<c10d::Work> pending;  ///< the gather in flight, if any
   std::shared_ptr<BucketGather> bucket;     ///< or the bucket it travels in
   int64_t gathered_version = -1;  ///< the shard's version counter when gathered
+  /// The dtype its gradient is reduce-scattered and delivered in (the
+  /// parameter's grad_dtype; by default its own dtype).
+  c10::ScalarType reduce_dtype;
 
   /// A persistent parameter kept gathered from a shard that has changed since.
   bool is_stale() const;
@@ -103,6 +107,11 @@ class Runtime : public torch::CustomClassHolder {
   /// Waits for the reduce-scatter started for `ids` and returns each
   /// parameter's flat shard gradient (summed, divided by the world size).
   std::vector<at::Tensor> finish_reduce_scatter(const std::vector<int64_t>& ids);
+
+  /// Reduce-scatter and deliver the parameter's gradient in `dtype` (the
+  /// shard's grad_dtype); gradients arriving in another dtype are cast first.
+  void set_reduce_dtype(int64_t id, c10::ScalarType dtype);
+  c10::ScalarType reduce_dtype(int64_t id);
 
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);

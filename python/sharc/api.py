@@ -68,6 +68,10 @@ def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, Shard
     for fqn, p in named:
         pid = runtime.register_param(p.detach(), fqn)
         shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
+        if p.requires_grad and p.grad_dtype != p.dtype:
+            # Gradients reduced and accumulated in the dtype the user asked for.
+            shard.grad_dtype = p.grad_dtype
+            runtime.set_reduce_dtype(pid, p.grad_dtype)
         refs[p] = ShardedParamRef(runtime, group_name, pid, fqn, tuple(p.shape), shard)
     return refs
 

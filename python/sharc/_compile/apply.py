@@ -125,6 +125,9 @@ class _Rebuild:
             shard_grad = self._call(operator.getitem, (waited, i), vals[i])
             for reduction in slot.reductions:
                 self.env[reduction] = shard_grad
+            for cast in slot.exit_casts:  # back to the dtype AOTAutograd expects
+                self.env[cast] = self._call(cast.target, (shard_grad, *cast.args[1:]),
+                                            cast.meta.get("val"))
 
 
 def rebuild(original: fx.Graph, lowered: LoweredGraph, nodes: list[list[str]]) -> fx.Graph:

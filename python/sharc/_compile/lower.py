@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from sharc._compile.errors import SharcCompileError
-from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, is_call, is_view, param_key,
-                                tensor_bytes)
+from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, is_call, is_exit_cast, is_view,
+                                param_key, tensor_bytes)
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ParamSlot:
     shard: fx.Node | None = None  # the shard the graph gathers from
     gathers: list[fx.Node] = field(default_factory=list)
     reductions: list[fx.Node] = field(default_factory=list)
+    exit_casts: list[fx.Node] = field(default_factory=list)  # of the reductions' results
 
 
 @dataclass
@@ -76,8 +77,10 @@ class _Lowering:
                 slot.gathers.append(node)
                 slot.shard = slot.shard or node.args[0]
             elif is_call(node, REDUCE_SCATTER):
-                self._slot(node, tensor_bytes(node.args[0])).reductions.append(node)
-                if any(u.op != "output" for u in node.users):
+                slot = self._slot(node, tensor_bytes(node.args[0]))
+                slot.reductions.append(node)
+                slot.exit_casts += [u for u in node.users if is_exit_cast(u)]
+                if any(u.op != "output" and not is_exit_cast(u) for u in node.users):
                     raise SharcCompileError(
                         f"sharc: reduced gradient '{node.name}' is read inside the graph; "
                         "this is a sharc bug, please report it with the model")
@@ -107,7 +110,7 @@ class _Lowering:
             return [f"%{node.name} = input bytes={tensor_bytes(node)}"]
         if node.op == "output":
             return [self._lower_output(node)]
-        if is_call(node, ALL_GATHER) or self._is_folded_getitem(node):
+        if is_call(node, ALL_GATHER) or self._is_folded_getitem(node) or self._is_exit_cast(node):
             return []
         if is_call(node, REDUCE_SCATTER):
             return [self._lower_reduction(node)]
@@ -140,13 +143,16 @@ class _Lowering:
         args = " ".join(self._operands(node))
         return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}'.replace("  ", " ")
 
+    def _is_exit_cast(self, node: fx.Node) -> bool:
+        return is_exit_cast(node) and is_call(node.args[0], REDUCE_SCATTER)
+
     def _is_folded_getitem(self, node: fx.Node) -> bool:
         return node.target is operator.getitem and node.args[0] in self.folded
 
     def _lower_output(self, node: fx.Node) -> str:
         operands = []
         for value in node.all_input_nodes:
-            if is_call(value, REDUCE_SCATTER):
+            if is_call(value, REDUCE_SCATTER) or self._is_exit_cast(value):
                 continue  # shard gradients leave through their bucket
             if is_call(value, ALL_GATHER) or value in self.aliases:
                 raise SharcCompileError(

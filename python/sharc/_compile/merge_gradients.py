@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from sharc._compile.errors import SharcCompileError
-from sharc._compile.ops import REDUCE_SCATTER, is_call, param_key
+from sharc._compile.ops import REDUCE_SCATTER, is_call, is_exit_cast, param_key
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -37,21 +37,25 @@ def merge_gradient_reductions(graph: fx.Graph) -> int:
     return merged
 
 
+def _leaves_graph(node: fx.Node) -> bool:
+    return node.op == "output" or is_exit_cast(node)
+
+
 def _read_in_graph(reduction: fx.Node) -> bool:
-    return any(u.op != "output" for u in reduction.users)
+    return not all(_leaves_graph(u) for u in reduction.users)
 
 
 def _merge(graph: fx.Graph, key: tuple[str, int], reductions: list[fx.Node]) -> None:
     tree = _sum_nodes(reductions)
     roots = [n for n in tree if any(u not in tree for u in n.users)]
-    if len(roots) != 1 or any(u.op != "output" for u in roots[0].users):
+    if len(roots) != 1 or not all(_leaves_graph(u) for u in roots[0].users):
         raise SharcCompileError(
             f"sharc: the gradient of parameter {key[1]} (group '{key[0]}') is combined "
             "with something other than additions before it leaves the backward graph; "
             "this is a sharc bug, please report it with the model")
     root = roots[0]
     lifted: dict[fx.Node, fx.Node] = {r: r.args[0] for r in reductions}
-    with graph.inserting_before(root if root.op != "output" else None):
+    with graph.inserting_before(root):
         total = _lift(graph, root, lifted)
         reduced = graph.call_function(REDUCE_SCATTER, (total, *key))
         reduced.meta.update(root.meta)

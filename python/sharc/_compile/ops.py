@@ -57,5 +57,15 @@ def tensor_bytes(node: fx.Node) -> int:
     return 0
 
 
+_CAST = torch.ops.prims.convert_element_type.default
+
+
+def is_exit_cast(node: fx.Node) -> bool:
+    """A dtype cast whose result only leaves the graph: AOTAutograd casts a
+    reduced gradient back to its parameter's dtype this way (it does not
+    model grad_dtype); the bridge re-applies it after the reduction."""
+    return is_call(node, _CAST) and all(u.op == "output" for u in node.users)
+
+
 def is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
