@@ -8,6 +8,11 @@ PassManager::PassManager(VerifyOptions input_rules, VerifyOptions final_rules)
     : input_rules_(input_rules), final_rules_(final_rules) {}
 
 PassManager& PassManager::add(std::unique_ptr<Pass> pass) {
+  // Passes are switched off and reported by name, so a name means one pass.
+  for (const auto& known : passes_) {
+    SHARC_CHECK(known->name() != pass->name(), "sharc: pass '", pass->name(),
+                "' is already in the pipeline");
+  }
   passes_.push_back(std::move(pass));
   return *this;
 }
@@ -20,8 +25,14 @@ void PassManager::disable(const std::string& name) {
     }
   }
   std::string known;
-  for (const auto& pass : passes_) known += " " + pass->name();
+  for (const std::string& pass : pass_names()) known += " " + pass;
   throw Error(detail::concat("sharc: no pass named '", name, "'; passes are:", known));
+}
+
+std::vector<std::string> PassManager::pass_names() const {
+  std::vector<std::string> names;
+  for (const auto& pass : passes_) names.push_back(pass->name());
+  return names;
 }
 
 void PassManager::check(const Graph& graph, const VerifyOptions& rules,

@@ -1,7 +1,6 @@
-// torch.classes.sharc.Scheduler: runs sharc's pass pipeline over the IR text
-// the Python FX bridge produces, and returns the scheduled IR text.
+// torch.classes.sharc.Scheduler: runs sharc's pass pipeline (sharc/pipeline.h)
+// over the IR text the Python FX bridge produces, and returns the schedule.
 
-#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -10,8 +9,7 @@
 #include <torch/library.h>
 
 #include "sharc/ir.h"
-#include "sharc/pass.h"
-#include "sharc/passes.h"
+#include "sharc/pipeline.h"
 
 namespace sharc {
 namespace {
@@ -33,39 +31,17 @@ std::vector<std::string> encode(const ir::Node& n) {
   return {ir::to_string(n.kind), join(n.outputs), join(operands), join(params)};
 }
 
-// sharc's passes, in the order they run.
-std::vector<std::unique_ptr<ir::Pass>> pipeline(int64_t gather_bucket_bytes,
-                                                int64_t reduce_bucket_bytes) {
-  std::vector<std::unique_ptr<ir::Pass>> passes;
-  passes.push_back(ir::make_regather_in_backward());
-  passes.push_back(ir::make_insert_gather_release());
-  passes.push_back(ir::make_bucket_allgathers(gather_bucket_bytes));
-  passes.push_back(ir::make_prefetch_gathers());
-  passes.push_back(ir::make_insert_reduce_scatter(reduce_bucket_bytes));
-  return passes;
-}
-
-std::vector<std::string> pass_names() {
-  std::vector<std::string> names;
-  for (const auto& pass : pipeline(0, 0)) names.push_back(pass->name());
-  return names;
-}
-
 using Schedule = std::tuple<std::string, std::vector<std::vector<std::string>>,
                             std::vector<std::string>>;
 
 // Returns (scheduled IR text, its nodes encoded as above, and when `trace` is
 // set one "pass\nbefore|after\nIR" entry per printed step). Throws
 // sharc::Error on bad IR or a violated rule.
-Schedule schedule(std::string ir_text, int64_t gather_bucket_bytes,
-                                  int64_t reduce_bucket_bytes,
-                                  std::vector<std::string> disabled, bool trace) {
+Schedule schedule(std::string ir_text, int64_t gather_bucket_bytes, int64_t reduce_bucket_bytes,
+                  std::vector<std::string> disabled, bool trace) {
   ir::Graph graph = ir::parse(ir_text);
-  ir::PassManager manager;
-  for (auto& pass : pipeline(gather_bucket_bytes, reduce_bucket_bytes)) {
-    manager.add(std::move(pass));
-  }
-  for (const std::string& name : disabled) manager.disable(name);
+  ir::PassManager manager =
+      ir::make_pipeline({gather_bucket_bytes, reduce_bucket_bytes, std::move(disabled)});
   std::vector<std::string> steps;
   if (trace) {
     manager.set_printer([&steps](const std::string& pass, const std::string& when,
@@ -86,5 +62,5 @@ class Scheduler : public torch::CustomClassHolder {};
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.class_<sharc::Scheduler>("Scheduler").def_static("schedule", &sharc::schedule)
-      .def_static("pass_names", &sharc::pass_names);
+      .def_static("pass_names", &sharc::ir::pipeline_pass_names);
 }

@@ -47,6 +47,8 @@ class PassManager {
   /// Switches a pass off; throws sharc::Error if no pass has that name.
   void disable(const std::string& name);
   void set_printer(Printer printer) { printer_ = std::move(printer); }
+  /// The passes' names in the order they run, switched off or not.
+  std::vector<std::string> pass_names() const;
 
   /// Verifies the input, runs every enabled pass in order verifying after
   /// each, then verifies the result with the final rules. Throws sharc::Error

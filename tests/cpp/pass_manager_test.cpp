@@ -3,6 +3,7 @@
 #include "sharc/error.h"
 #include "sharc/pass.h"
 #include "sharc/passes.h"
+#include "sharc/pipeline.h"
 
 namespace sharc::ir {
 namespace {
@@ -21,23 +22,24 @@ param @1 "fc.bias" bytes=8
 output %dx
 )";
 
+// The shipping pipeline, with buckets large enough to take everything.
 PassManager default_pipeline() {
-  PassManager pm;
-  pm.add(make_regather_in_backward())
-      .add(make_insert_gather_release())
-      .add(make_bucket_allgathers(1 << 20))
-      .add(make_insert_reduce_scatter(1 << 20));
-  return pm;
+  PipelineOptions options;
+  options.gather_bucket_bytes = 1 << 20;
+  options.reduce_bucket_bytes = 1 << 20;
+  return make_pipeline(options);
 }
 
 TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
   Graph g = parse(kBackwardFromBridge);
   const auto records = default_pipeline().run(g);
-  ASSERT_EQ(records.size(), 4u);
+  ASSERT_EQ(records.size(), 5u);
   EXPECT_EQ(records[0].name, "regather_in_backward");
   EXPECT_EQ(records[0].rewrites, 1);
   EXPECT_EQ(records[1].rewrites, 1);
-  EXPECT_EQ(records[3].rewrites, 1);  // one bucket for both gradients
+  EXPECT_EQ(records[3].name, "prefetch_gathers");
+  EXPECT_EQ(records[3].rewrites, 0);  // one gather: nothing to move it ahead of
+  EXPECT_EQ(records[4].rewrites, 1);  // one bucket for both gradients
   EXPECT_TRUE(verify(g).empty());
   EXPECT_EQ(print(g),
             "param @0 \"fc.weight\" bytes=64\n"
@@ -96,9 +98,28 @@ TEST(PassManager, PrintsBeforeAndAfterEachPass) {
     seen.push_back(pass + ":" + when + ":" + std::to_string(ir.size() > 0));
   });
   pm.run(g);
-  ASSERT_EQ(seen.size(), 8u);
+  ASSERT_EQ(seen.size(), 10u);
   EXPECT_EQ(seen[0], "regather_in_backward:before:1");
-  EXPECT_EQ(seen[7], "insert_reduce_scatter:after:1");
+  EXPECT_EQ(seen[9], "insert_reduce_scatter:after:1");
+}
+
+TEST(PassManager, PipelineNamesItsPassesInOrder) {
+  EXPECT_EQ(pipeline_pass_names(),
+            (std::vector<std::string>{"regather_in_backward", "insert_gather_release",
+                                      "bucket_allgathers", "prefetch_gathers",
+                                      "insert_reduce_scatter"}));
+  PipelineOptions options;
+  options.disabled_passes = {"prefetch_gathers"};
+  Graph g = parse(kBackwardFromBridge);
+  EXPECT_TRUE(make_pipeline(options).run(g)[3].skipped);
+  options.disabled_passes = {"prefetch"};
+  EXPECT_THROW(make_pipeline(options), Error);
+}
+
+TEST(PassManager, APassNameIsAddedOnce) {
+  PassManager pm;
+  pm.add(make_prefetch_gathers());
+  EXPECT_THROW(pm.add(make_prefetch_gathers()), Error);
 }
 
 TEST(PassManager, InvalidInputIsRejectedBeforeAnyPass) {
