@@ -20,6 +20,16 @@ const char* to_string(NodeKind kind) {
   return "unknown";
 }
 
+const char* to_string(Rule rule) {
+  switch (rule) {
+    case Rule::NoSavedParams: return "no saved full parameters";
+    case Rule::GathersInserted: return "gathers inserted";
+    case Rule::WaitsFollowGathers: return "each wait right after its gather";
+    case Rule::GradientsReduced: return "gradients reduced";
+  }
+  return "unknown";
+}
+
 int64_t Graph::value_bytes(const std::string& value) const {
   for (const Node& n : nodes) {
     for (size_t i = 0; i < n.outputs.size(); ++i) {

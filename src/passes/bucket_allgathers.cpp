@@ -21,6 +21,10 @@ class BucketAllGathers : public Pass {
 
   std::string name() const override { return "bucket_allgathers"; }
 
+  // Only adjacent gather/wait pairs are fused; on a graph whose gathers were
+  // moved away from their waits it would quietly bucket nothing.
+  Contract contract() const override { return {{Rule::WaitsFollowGathers}, {}, {}}; }
+
   // Walks the gathers in program order. Each one joins the open bucket if it
   // fits (moving it up to the bucket's position: a gather reads nothing but
   // its shards, so it may run earlier, at the cost of its bytes living

@@ -35,7 +35,7 @@ class InsertReduceScatter : public Pass {
     return buckets;
   }
 
-  void establishes(VerifyOptions& rules) const override { rules.require_reductions = true; }
+  Contract contract() const override { return {{}, {Rule::GradientsReduced}, {}}; }
 
  private:
   struct Bucket {

@@ -13,6 +13,11 @@ class PrefetchGathers : public Pass {
  public:
   std::string name() const override { return "prefetch_gathers"; }
 
+  // It moves gathers that exist; with none inserted it has nothing to do.
+  Contract contract() const override {
+    return {{Rule::GathersInserted}, {}, {Rule::WaitsFollowGathers}};
+  }
+
   int64_t run(Graph& graph) override {
     int64_t moved = 0;
     std::vector<Node> out;

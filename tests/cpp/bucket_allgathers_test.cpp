@@ -112,6 +112,17 @@ output %z
   EXPECT_EQ(rewrites, 0);
 }
 
+TEST(BucketAllGathers, RequiresAndKeepsWaitsRightAfterTheirGathers) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  const Contract c = pass->contract();
+  EXPECT_EQ(c.required, (std::vector<Rule>{Rule::WaitsFollowGathers}));
+  EXPECT_TRUE(c.established.empty());
+  EXPECT_TRUE(c.undone.empty());
+  const std::string out = run_pass(*pass, kGathersApart);
+  const auto rules = VerifyOptions::structural().require(Rule::WaitsFollowGathers);
+  EXPECT_TRUE(verify(parse(out), rules).empty()) << out;
+}
+
 TEST(BucketAllGathers, ZeroBucketFusesNothing) {
   auto pass = make_bucket_allgathers(0);
   int64_t rewrites = -1;

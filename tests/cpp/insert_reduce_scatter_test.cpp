@@ -52,6 +52,13 @@ TEST(InsertReduceScatter, TinyBucketsReduceEachGradientAlone) {
   EXPECT_TRUE(verify(parse(out)).empty());
 }
 
+TEST(InsertReduceScatter, Contract) {
+  const Contract c = make_insert_reduce_scatter(100)->contract();
+  EXPECT_TRUE(c.required.empty());
+  EXPECT_EQ(c.established, (std::vector<Rule>{Rule::GradientsReduced}));
+  EXPECT_TRUE(c.undone.empty());
+}
+
 TEST(InsertReduceScatter, NoGradientsNothingToDo) {
   testing::expect_nothing_to_do(*make_insert_reduce_scatter(100));
 }

@@ -77,6 +77,13 @@ output %z
   EXPECT_TRUE(verify(parse(out), VerifyOptions::structural()).empty());
 }
 
+TEST(PrefetchGathers, Contract) {
+  const Contract c = make_prefetch_gathers()->contract();
+  EXPECT_EQ(c.required, (std::vector<Rule>{Rule::GathersInserted}));
+  EXPECT_TRUE(c.established.empty());
+  EXPECT_EQ(c.undone, (std::vector<Rule>{Rule::WaitsFollowGathers}));
+}
+
 TEST(PrefetchGathers, NothingToDo) {
   auto pass = make_prefetch_gathers();
   expect_nothing_to_do(*pass);
