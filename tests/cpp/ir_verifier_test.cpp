@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "sharc/ir.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 namespace {

@@ -1,9 +1,9 @@
 #include <gtest/gtest.h>
 
-#include "sharc/error.h"
-#include "sharc/pass.h"
-#include "sharc/passes.h"
-#include "sharc/pipeline.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/pass.h"
+#include "sharc/compiler/passes.h"
+#include "sharc/compiler/pipeline.h"
 
 namespace sharc::ir {
 namespace {

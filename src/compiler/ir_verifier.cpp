@@ -3,8 +3,8 @@
 #include <map>
 #include <set>
 
-#include "sharc/error.h"
-#include "sharc/ir.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 namespace {

@@ -1,9 +1,9 @@
-#include "sharc/ir.h"
+#include "sharc/compiler/ir.h"
 
 #include <cctype>
 #include <sstream>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc::ir {
 

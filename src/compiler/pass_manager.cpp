@@ -1,8 +1,8 @@
-#include "sharc/pass.h"
+#include "sharc/compiler/pass.h"
 
 #include <algorithm>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc::ir {
 namespace {

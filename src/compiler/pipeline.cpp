@@ -1,6 +1,6 @@
-#include "sharc/pipeline.h"
+#include "sharc/compiler/pipeline.h"
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 

@@ -1,4 +1,4 @@
-// torch.classes.sharc.Scheduler: runs sharc's pass pipeline (sharc/pipeline.h)
+// torch.classes.sharc.Scheduler: runs sharc's pass pipeline (sharc/compiler/pipeline.h)
 // over the IR text the Python FX bridge produces, and returns the schedule.
 //
 // Two entry points, one pipeline run:
@@ -20,9 +20,9 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "sharc/error.h"
-#include "sharc/ir.h"
-#include "sharc/pipeline.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/ir.h"
+#include "sharc/compiler/pipeline.h"
 
 namespace sharc {
 namespace {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "sharc/ir.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 

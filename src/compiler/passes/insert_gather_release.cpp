@@ -1,7 +1,7 @@
 #include <map>
 #include <set>
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "sharc/pass.h"
+#include "sharc/compiler/pass.h"
 
 namespace sharc::ir {
 

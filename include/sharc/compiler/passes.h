@@ -1,12 +1,12 @@
 #pragma once
-// sharc's scheduling passes; each lives in its own file under src/passes/.
+// sharc's scheduling passes; each lives in its own file under src/compiler/passes/.
 // Each documents its contract (Pass::contract): the rules it requires,
 // establishes and undoes.
 
 #include <cstdint>
 #include <memory>
 
-#include "sharc/pass.h"
+#include "sharc/compiler/pass.h"
 
 namespace sharc::ir {
 
