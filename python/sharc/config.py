@@ -32,11 +32,13 @@ class CompileConfig:
     """How the "sharc" torch.compile backend schedules and compiles graphs.
 
     Pass it as `torch.compile(model, backend="sharc", options={...})` with
-    these field names, or read from the environment (`from_env`)."""
+    these field names; `from_options` builds it from those options over
+    defaults read from the environment: `SHARC_DUMP_IR=dir` sets `dump_ir`,
+    `SHARC_COMPILE_INDUCTOR=0` sets `inductor=False`. Explicit options win."""
 
     inductor: bool = True
     """Compile the scheduled graphs with Inductor; False runs them as plain
-    FX graphs (for debugging a schedule)."""
+    FX graphs, for debugging a schedule (env SHARC_COMPILE_INDUCTOR=0)."""
 
     gather_bucket_bytes: int = 64 << 10
     """Consecutive gathers are fused into one all-gather (the later ones
@@ -46,12 +48,15 @@ class CompileConfig:
     """Gradients are reduce-scattered together up to this many bytes."""
 
     disable_passes: tuple[str, ...] = ()
-    """Passes switched off by name (the bucketing passes may be; switching off
-    a pass the schedule's rules depend on is an error at compile time)."""
+    """Passes switched off by name. `bucket_allgathers` and `prefetch_gathers`
+    may be, and so may `regather_in_backward` (a safety net the bridge's
+    graphs never need); switching off a pass whose rule a later pass requires,
+    or that a graph's finished schedule needs, is an error at compile time
+    naming the pass."""
 
     dump_ir: str | None = None
-    """A directory: each graph's IR before and after every pass is written
-    there (env SHARC_DUMP_IR)."""
+    """A directory: each graph's IR before and after every pass, with each
+    pass's rewrite count, is written there (env SHARC_DUMP_IR)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inductor, bool):

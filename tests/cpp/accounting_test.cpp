@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "sharc/accounting.h"
-#include "sharc/error.h"
+#include "sharc/core/accounting.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 namespace {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "pass_test_util.h"
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -110,6 +110,17 @@ output %z
   int64_t rewrites = -1;
   EXPECT_EQ(run_pass(*pass, in, &rewrites), canonical(in));
   EXPECT_EQ(rewrites, 0);
+}
+
+TEST(BucketAllGathers, RequiresAndKeepsWaitsRightAfterTheirGathers) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  const Contract c = pass->contract();
+  EXPECT_EQ(c.required, (std::vector<Rule>{Rule::WaitsFollowGathers}));
+  EXPECT_TRUE(c.established.empty());
+  EXPECT_TRUE(c.undone.empty());
+  const std::string out = run_pass(*pass, kGathersApart);
+  const auto rules = VerifyOptions::structural().require(Rule::WaitsFollowGathers);
+  EXPECT_TRUE(verify(parse(out), rules).empty()) << out;
 }
 
 TEST(BucketAllGathers, ZeroBucketFusesNothing) {

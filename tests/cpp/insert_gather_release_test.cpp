@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "pass_test_util.h"
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -39,7 +39,7 @@ output %u
   EXPECT_EQ(rewrites, 2);
   // A parameter used twice is released once, after the second use (which
   // reads the first use's output, so depending on it covers both).
-  EXPECT_TRUE(verify(parse(out), VerifyOptions{false, false, false}).empty());
+  EXPECT_TRUE(verify(parse(out), VerifyOptions::complete().waive(Rule::GradientsReduced)).empty());
 }
 
 TEST(InsertGatherRelease, TwoReadsInOneNode) {
@@ -85,7 +85,27 @@ release @0 after %a %c
 %y = compute "add" %a %c bytes=16
 output %y
 )"));
-  EXPECT_TRUE(verify(parse(out), VerifyOptions{false, false, false}).empty());
+  EXPECT_TRUE(verify(parse(out), VerifyOptions::complete().waive(Rule::GradientsReduced)).empty());
+}
+
+TEST(InsertGatherRelease, ContractAndItsOutputKeepsIt) {
+  auto pass = make_insert_gather_release();
+  const Contract c = pass->contract();
+  EXPECT_TRUE(c.required.empty());
+  EXPECT_EQ(c.established, (std::vector<Rule>{Rule::GathersInserted, Rule::WaitsFollowGathers}));
+  EXPECT_TRUE(c.undone.empty());
+  const std::string out = run_pass(*pass, R"(
+param @0 "w" bytes=64
+param @1 "b" bytes=8
+%x = input bytes=16
+%y = compute "mm" %x @0 @1 bytes=16
+%z = compute "add" %y @1 bytes=16
+output %z
+)");
+  const auto rules = VerifyOptions::structural()
+                         .require(Rule::GathersInserted)
+                         .require(Rule::WaitsFollowGathers);
+  EXPECT_TRUE(verify(parse(out), rules).empty()) << out;
 }
 
 TEST(InsertGatherRelease, NothingToDo) {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "pass_test_util.h"
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -50,6 +50,13 @@ TEST(InsertReduceScatter, TinyBucketsReduceEachGradientAlone) {
   EXPECT_NE(out.find("%da = compute \"g\" %dy bytes=40 grad=@0\nreduce_scatter @0 %da\n"),
             std::string::npos) << out;
   EXPECT_TRUE(verify(parse(out)).empty());
+}
+
+TEST(InsertReduceScatter, Contract) {
+  const Contract c = make_insert_reduce_scatter(100)->contract();
+  EXPECT_TRUE(c.required.empty());
+  EXPECT_EQ(c.established, (std::vector<Rule>{Rule::GradientsReduced}));
+  EXPECT_TRUE(c.undone.empty());
 }
 
 TEST(InsertReduceScatter, NoGradientsNothingToDo) {

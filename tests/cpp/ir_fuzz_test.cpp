@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "sharc/error.h"
-#include "sharc/ir.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 namespace {

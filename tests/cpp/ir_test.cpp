@@ -2,8 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include "sharc/error.h"
-#include "sharc/ir.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 namespace {

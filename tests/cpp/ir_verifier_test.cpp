@@ -2,14 +2,15 @@
 
 #include <gtest/gtest.h>
 
-#include "sharc/ir.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 namespace {
 
 const char* kParams = "param @0 \"w\" bytes=64\nparam @1 \"b\" bytes=8\n";
 
-std::vector<std::string> check(const std::string& body, VerifyOptions options = {}) {
+std::vector<std::string> check(const std::string& body,
+                               VerifyOptions options = VerifyOptions::complete()) {
   return verify(parse(std::string(kParams) + body), options);
 }
 
@@ -88,18 +89,33 @@ TEST(IrVerifier, GradientReducedTwiceOrNever) {
 TEST(IrVerifier, FullParameterSavedForBackward) {
   const auto e = check("%w = input param=@0\n%y = compute \"a\" %w bytes=4\n");
   EXPECT_TRUE(mentions(e, "saved by forward"));
-  VerifyOptions before_regather;
-  before_regather.allow_saved_params = true;
+  const auto before_regather = VerifyOptions::complete().waive(Rule::NoSavedParams);
   EXPECT_TRUE(check("%w = input param=@0\n", before_regather).empty());
 }
 
 TEST(IrVerifier, DirectReadsOnlyBeforeInsertion) {
   const char* body = "%x = input bytes=4\n%y = compute \"mm\" %x @0 bytes=4\n";
   EXPECT_TRUE(mentions(check(body), "reads parameter @0 directly"));
-  VerifyOptions before_insertion;
-  before_insertion.allow_direct_reads = true;
+  const auto before_insertion = VerifyOptions::complete().waive(Rule::GathersInserted);
   EXPECT_TRUE(check(body, before_insertion).empty());
   EXPECT_TRUE(check(body, VerifyOptions::structural()).empty());
+}
+
+TEST(IrVerifier, WaitRightAfterItsGatherOnlyWhenDemanded) {
+  const char* apart = "%g = gather @0\n%x = input bytes=4\n%w = wait %g\n"
+                      "%y = compute \"a\" %x %w bytes=4\nrelease @0 after %y\n";
+  const auto demand = VerifyOptions::structural().require(Rule::WaitsFollowGathers);
+  EXPECT_TRUE(check(apart, VerifyOptions::structural()).empty());
+  EXPECT_TRUE(mentions(check(apart, demand), "waits on %g, which is not the node right before it"));
+  EXPECT_TRUE(check("%g = gather @0\n%w = wait %g\n%y = compute \"a\" %w bytes=4\n"
+                    "release @0 after %y\n", demand).empty());
+}
+
+TEST(IrVerifier, RulesHaveNames) {
+  EXPECT_STREQ(to_string(Rule::GathersInserted), "gathers inserted");
+  EXPECT_STREQ(to_string(Rule::NoSavedParams), "no saved full parameters");
+  EXPECT_STREQ(to_string(Rule::WaitsFollowGathers), "each wait right after its gather");
+  EXPECT_STREQ(to_string(Rule::GradientsReduced), "gradients reduced");
 }
 
 TEST(IrVerifier, DefinitionsAndDoubleGather) {

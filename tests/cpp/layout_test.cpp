@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "sharc/error.h"
-#include "sharc/layout.h"
+#include "sharc/core/error.h"
+#include "sharc/core/layout.h"
 
 namespace sharc {
 namespace {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "sharc/error.h"
-#include "sharc/param_state.h"
+#include "sharc/core/error.h"
+#include "sharc/core/param_state.h"
 
 namespace sharc {
 namespace {

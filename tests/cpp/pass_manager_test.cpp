@@ -1,14 +1,18 @@
 #include <gtest/gtest.h>
 
-#include "sharc/error.h"
-#include "sharc/pass.h"
-#include "sharc/passes.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/pass.h"
+#include "sharc/compiler/passes.h"
+#include "sharc/compiler/pipeline.h"
 
 namespace sharc::ir {
 namespace {
 
-// A forward+backward pair the way the bridge hands them over: parameters read
-// directly, a full parameter saved for backward, gradients unreduced.
+// A backward graph as a partitioner that saved a full parameter for backward
+// would hand it over: parameters read directly, the saved full parameter an
+// input, gradients unreduced. The bridge's recompute tags keep such inputs
+// out of its graphs (see kBackwardAsLowered); regather_in_backward is the
+// safety net for graphs that still have one.
 const char* kBackwardFromBridge = R"(
 param @0 "fc.weight" bytes=64
 param @1 "fc.bias" bytes=8
@@ -21,23 +25,37 @@ param @1 "fc.bias" bytes=8
 output %dx
 )";
 
+// The shipping pipeline, with buckets large enough to take everything.
+// The same backward as the bridge lowers it: the gather recomputed in
+// backward, so the parameter is read directly instead of received.
+const char* kBackwardAsLowered = R"(
+param @0 "fc.weight" bytes=64
+param @1 "fc.bias" bytes=8
+%x = input bytes=16
+%dy = input bytes=16
+%dx = compute "mm" %dy @0 bytes=16
+%dw = compute "mm" %dy %x bytes=64 grad=@0
+%db = compute "sum" %dy bytes=8 grad=@1
+output %dx
+)";
+
 PassManager default_pipeline() {
-  PassManager pm;
-  pm.add(make_regather_in_backward())
-      .add(make_insert_gather_release())
-      .add(make_bucket_allgathers(1 << 20))
-      .add(make_insert_reduce_scatter(1 << 20));
-  return pm;
+  PipelineOptions options;
+  options.gather_bucket_bytes = 1 << 20;
+  options.reduce_bucket_bytes = 1 << 20;
+  return make_pipeline(options);
 }
 
 TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
   Graph g = parse(kBackwardFromBridge);
   const auto records = default_pipeline().run(g);
-  ASSERT_EQ(records.size(), 4u);
+  ASSERT_EQ(records.size(), 5u);
   EXPECT_EQ(records[0].name, "regather_in_backward");
   EXPECT_EQ(records[0].rewrites, 1);
   EXPECT_EQ(records[1].rewrites, 1);
-  EXPECT_EQ(records[3].rewrites, 1);  // one bucket for both gradients
+  EXPECT_EQ(records[3].name, "prefetch_gathers");
+  EXPECT_EQ(records[3].rewrites, 0);  // one gather: nothing to move it ahead of
+  EXPECT_EQ(records[4].rewrites, 1);  // one bucket for both gradients
   EXPECT_TRUE(verify(g).empty());
   EXPECT_EQ(print(g),
             "param @0 \"fc.weight\" bytes=64\n"
@@ -52,6 +70,16 @@ TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
             "%db = compute \"sum\" %dy bytes=8 grad=@1\n"
             "reduce_scatter @0 @1 %dw %db\n"
             "output %dx\n");
+}
+
+TEST(PassManager, SavedParameterOrRecomputedGatherGiveTheSameSchedule) {
+  Graph saved = parse(kBackwardFromBridge);
+  Graph lowered = parse(kBackwardAsLowered);
+  default_pipeline().run(saved);
+  const auto records = default_pipeline().run(lowered);
+  EXPECT_EQ(records[0].name, "regather_in_backward");
+  EXPECT_EQ(records[0].rewrites, 0);  // the safety net has nothing to catch
+  EXPECT_EQ(print(lowered), print(saved));
 }
 
 TEST(PassManager, SwitchingOffAPassThatEstablishesARuleFailsVerification) {
@@ -96,9 +124,82 @@ TEST(PassManager, PrintsBeforeAndAfterEachPass) {
     seen.push_back(pass + ":" + when + ":" + std::to_string(ir.size() > 0));
   });
   pm.run(g);
-  ASSERT_EQ(seen.size(), 8u);
+  ASSERT_EQ(seen.size(), 10u);
   EXPECT_EQ(seen[0], "regather_in_backward:before:1");
-  EXPECT_EQ(seen[7], "insert_reduce_scatter:after:1");
+  EXPECT_EQ(seen[9], "insert_reduce_scatter:after:1");
+}
+
+TEST(PassManager, PipelineNamesItsPassesInOrder) {
+  EXPECT_EQ(pipeline_pass_names(),
+            (std::vector<std::string>{"regather_in_backward", "insert_gather_release",
+                                      "bucket_allgathers", "prefetch_gathers",
+                                      "insert_reduce_scatter"}));
+  PipelineOptions options;
+  options.disabled_passes = {"prefetch_gathers"};
+  Graph g = parse(kBackwardFromBridge);
+  EXPECT_TRUE(make_pipeline(options).run(g)[3].skipped);
+  options.disabled_passes = {"prefetch"};
+  EXPECT_THROW(make_pipeline(options), Error);
+}
+
+TEST(PassManager, APassNameIsAddedOnce) {
+  PassManager pm;
+  pm.add(make_prefetch_gathers());
+  EXPECT_THROW(pm.add(make_prefetch_gathers()), Error);
+}
+
+// Runs `pm` on the bridge's graph and returns the sharc::Error it throws.
+std::string refusal(const PassManager& pm) {
+  Graph g = parse(kBackwardFromBridge);
+  try {
+    pm.run(g);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "the pass manager ran a pass whose required rule did not hold";
+  return "";
+}
+
+TEST(PassManager, RequiredRuleThatNoEarlierPassEstablishedNamesThePassToEnable) {
+  PassManager pm = default_pipeline();
+  pm.disable("insert_gather_release");
+  EXPECT_EQ(refusal(pm),
+            "sharc: pass 'bucket_allgathers' requires 'each wait right after its gather', "
+            "which no earlier pass established; enable 'insert_gather_release'");
+  pm.disable("bucket_allgathers");
+  EXPECT_EQ(refusal(pm),
+            "sharc: pass 'prefetch_gathers' requires 'gathers inserted', which no earlier "
+            "pass established; enable 'insert_gather_release'");
+}
+
+TEST(PassManager, RequiredRuleEstablishedOnlyLaterNamesThePassToRunFirst) {
+  PassManager pm;
+  pm.add(make_prefetch_gathers()).add(make_insert_gather_release());
+  EXPECT_EQ(refusal(pm),
+            "sharc: pass 'prefetch_gathers' requires 'gathers inserted', which no earlier "
+            "pass established; run it after 'insert_gather_release'");
+  PassManager alone;
+  alone.add(make_prefetch_gathers());
+  EXPECT_NE(refusal(alone).find("no pass in the pipeline establishes it"), std::string::npos);
+}
+
+TEST(PassManager, RequiredRuleUndoneByAnEarlierPassNamesThatPass) {
+  PassManager pm;
+  pm.add(make_insert_gather_release()).add(make_prefetch_gathers()).add(
+      make_bucket_allgathers(1 << 20));
+  EXPECT_EQ(refusal(pm),
+            "sharc: pass 'bucket_allgathers' requires 'each wait right after its gather', "
+            "which pass 'prefetch_gathers' undid; run it before 'prefetch_gathers'");
+}
+
+TEST(PassManager, InputRulesHoldBeforeTheFirstPass) {
+  Graph g = parse(
+      "param @0 \"w\" bytes=64\n%x = input bytes=4\n%g = gather @0\n%w = wait %g\n"
+      "%y = compute \"a\" %x %w bytes=4\nrelease @0 after %y\noutput %y\n");
+  PassManager pm(VerifyOptions::structural().require(Rule::GathersInserted),
+                 VerifyOptions::structural());
+  pm.add(make_prefetch_gathers());
+  EXPECT_EQ(pm.run(g)[0].rewrites, 0);
 }
 
 TEST(PassManager, InvalidInputIsRejectedBeforeAnyPass) {

@@ -5,8 +5,8 @@
 
 #include <gtest/gtest.h>
 
-#include "sharc/ir.h"
-#include "sharc/pass.h"
+#include "sharc/compiler/ir.h"
+#include "sharc/compiler/pass.h"
 
 namespace sharc::ir::testing {
 

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "pass_test_util.h"
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -75,6 +75,13 @@ output %z
   EXPECT_EQ(out, canonical(in));
   EXPECT_EQ(rewrites, 0);
   EXPECT_TRUE(verify(parse(out), VerifyOptions::structural()).empty());
+}
+
+TEST(PrefetchGathers, Contract) {
+  const Contract c = make_prefetch_gathers()->contract();
+  EXPECT_EQ(c.required, (std::vector<Rule>{Rule::GathersInserted}));
+  EXPECT_TRUE(c.established.empty());
+  EXPECT_EQ(c.undone, (std::vector<Rule>{Rule::WaitsFollowGathers}));
 }
 
 TEST(PrefetchGathers, NothingToDo) {

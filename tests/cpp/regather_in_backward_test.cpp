@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "pass_test_util.h"
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -42,6 +42,28 @@ param @0 "fc.weight" bytes=64
 %y = compute "mm" %x @0 bytes=16
 output %y %x
 )"));
+}
+
+// What the bridge really hands over: its recompute tags put a fresh gather
+// (a direct read) in backward, so the safety net finds no saved parameter.
+TEST(RegatherInBackward, GraphsFromTheBridgeGiveItNothingToDo) {
+  auto pass = make_regather_in_backward();
+  const char* in = R"(
+param @0 "fc.weight" bytes=64
+%dy = input bytes=16
+%dx = compute "mm" %dy @0 bytes=16
+output %dx
+)";
+  int64_t rewrites = -1;
+  EXPECT_EQ(run_pass(*pass, in, &rewrites), canonical(in));
+  EXPECT_EQ(rewrites, 0);
+}
+
+TEST(RegatherInBackward, Contract) {
+  const Contract c = make_regather_in_backward()->contract();
+  EXPECT_TRUE(c.required.empty());
+  EXPECT_EQ(c.established, (std::vector<Rule>{Rule::NoSavedParams}));
+  EXPECT_TRUE(c.undone.empty());
 }
 
 TEST(RegatherInBackward, NothingToDo) {

@@ -3,6 +3,7 @@ op, the IR of each graph before and after the passes, and exact per-step
 communication counters."""
 
 import os
+import re
 import tempfile
 
 import torch
@@ -68,3 +69,7 @@ def test_profiler_labels_ir_dumps_and_per_step_counters():
                         assert "reduce_scatter @" in text
                 else:
                     assert "# ---- before insert_gather_release" in text
+                    assert re.search(r"# ---- after insert_gather_release \(\d+ rewrites\)",
+                                     text)
+                    # A safety net: the bridge's graphs never hand backward a full parameter.
+                    assert "# ---- after regather_in_backward (0 rewrites)" in text

@@ -25,28 +25,55 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.G
     lowered = lower(gm.graph)
     if not lowered.slots:
         return gm  # nothing sharded is read here
-    text, nodes, steps = torch.classes.sharc.Scheduler.schedule(
-        lowered.text, config.gather_bucket_bytes, config.reduce_bucket_bytes,
-        list(config.disable_passes), config.dump_ir is not None)
+    text, nodes, passes, trace = torch.classes.sharc.Scheduler.schedule_nodes(
+        lowered.text,
+        gather_bucket_bytes=config.gather_bucket_bytes,
+        reduce_bucket_bytes=config.reduce_bucket_bytes,
+        disabled_passes=list(config.disable_passes),
+        trace=config.dump_ir is not None)
     if config.dump_ir is not None:
-        _dump(config.dump_ir, kind, lowered.text, steps, text)
-    gm.graph = rebuild(gm.graph, lowered, nodes)
+        _dump(config.dump_ir, kind, lowered.text, passes, trace, text)
+    gm.graph = rebuild(gm.graph, lowered, _comma_joined(nodes))
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _dump(directory: str, kind: str, before: str, steps: list[str], after: str) -> None:
+def _comma_joined(nodes: list[tuple[str, list[str], list[str], list[int]]]) -> list[list[str]]:
+    """The node form `apply.rebuild` reads until it takes the structured
+    (kind, outputs, operands, params) nodes itself: fields comma-joined,
+    operands prefixed with '%'."""
+    return [[kind, ",".join(outputs), ",".join(f"%{v}" for v in operands),
+             ",".join(str(p) for p in params)]
+            for kind, outputs, operands, params in nodes]
+
+
+def _dump(directory: str, kind: str, before: str, passes: list[tuple[str, int, bool]],
+          trace: list[tuple[str, str, str]], after: str) -> None:
     os.makedirs(directory, exist_ok=True)
     stem = os.path.join(directory, f"rank{_rank()}_{next(_graph_ids):03d}_{kind}")
     with open(stem + ".before.ir", "w") as f:
         f.write(before)
     with open(stem + ".passes.ir", "w") as f:
-        for step in steps:
-            name, when, ir = step.split("\n", 2)
-            f.write(f"# ---- {when} {name}\n{ir}\n")
+        f.write(_passes_text(passes, trace))
     with open(stem + ".after.ir", "w") as f:
         f.write(after)
+
+
+def _passes_text(passes: list[tuple[str, int, bool]], trace: list[tuple[str, str, str]]) -> str:
+    """The IR before and after each pass, in pipeline order, each after-IR
+    headed by the pass's rewrite count; switched-off passes get one line."""
+    steps: dict[str, dict[str, str]] = {}
+    for name, when, ir in trace:
+        steps.setdefault(name, {})[when] = ir
+    lines = []
+    for name, rewrites, skipped in passes:
+        if skipped:
+            lines.append(f"# ---- {name} switched off\n")
+            continue
+        lines.append(f"# ---- before {name}\n{steps[name]['before']}\n")
+        lines.append(f"# ---- after {name} ({rewrites} rewrites)\n{steps[name]['after']}\n")
+    return "".join(lines)
 
 
 def _rank() -> int:

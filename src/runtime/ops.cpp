@@ -17,7 +17,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "sharc/runtime_table.h"
+#include "sharc/runtime/runtime_table.h"
 
 namespace sharc {
 namespace {

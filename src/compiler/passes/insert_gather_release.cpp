@@ -1,7 +1,7 @@
 #include <map>
 #include <set>
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -40,7 +40,10 @@ class InsertGatherRelease : public Pass {
     return static_cast<int64_t>(uses.size());
   }
 
-  void establishes(VerifyOptions& rules) const override { rules.allow_direct_reads = false; }
+  // Each gather is emitted with its wait right behind it; bucketing relies on it.
+  Contract contract() const override {
+    return {{}, {Rule::GathersInserted, Rule::WaitsFollowGathers}, {}};
+  }
 
  private:
   static std::map<int64_t, Uses> find_uses(const Graph& graph) {

@@ -1,9 +1,9 @@
-#include "sharc/ir.h"
+#include "sharc/compiler/ir.h"
 
 #include <cctype>
 #include <sstream>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc::ir {
 
@@ -16,6 +16,16 @@ const char* to_string(NodeKind kind) {
     case NodeKind::Release: return "release";
     case NodeKind::ReduceScatter: return "reduce_scatter";
     case NodeKind::Output: return "output";
+  }
+  return "unknown";
+}
+
+const char* to_string(Rule rule) {
+  switch (rule) {
+    case Rule::NoSavedParams: return "no saved full parameters";
+    case Rule::GathersInserted: return "gathers inserted";
+    case Rule::WaitsFollowGathers: return "each wait right after its gather";
+    case Rule::GradientsReduced: return "gradients reduced";
   }
   return "unknown";
 }

@@ -1,6 +1,6 @@
 #include <cstddef>
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -35,7 +35,7 @@ class InsertReduceScatter : public Pass {
     return buckets;
   }
 
-  void establishes(VerifyOptions& rules) const override { rules.require_reductions = true; }
+  Contract contract() const override { return {{}, {Rule::GradientsReduced}, {}}; }
 
  private:
   struct Bucket {

@@ -3,7 +3,7 @@
 
 #include <map>
 
-#include "sharc/ir.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 

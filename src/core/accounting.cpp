@@ -1,8 +1,8 @@
-#include "sharc/accounting.h"
+#include "sharc/core/accounting.h"
 
 #include <algorithm>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 

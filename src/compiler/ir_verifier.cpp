@@ -3,8 +3,8 @@
 #include <map>
 #include <set>
 
-#include "sharc/error.h"
-#include "sharc/ir.h"
+#include "sharc/core/error.h"
+#include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
 namespace {
@@ -38,7 +38,7 @@ class Verifier {
   // A read of an operand by a node that computes with it.
   void use(size_t index, const Operand& o) {
     if (o.is_param()) {
-      if (!options_.allow_direct_reads) {
+      if (options_.demands(Rule::GathersInserted)) {
         fail(index, "reads parameter @", *o.param, " directly; gather and wait first");
       }
       return;
@@ -62,7 +62,7 @@ class Verifier {
     switch (n.kind) {
       case NodeKind::Input:
         for (int64_t p : n.params) {
-          if (!options_.allow_saved_params) {
+          if (options_.demands(Rule::NoSavedParams)) {
             fail(index, "receives full parameter @", p,
                  " saved by forward; backward must gather it again from the shard");
           }
@@ -99,6 +99,7 @@ class Verifier {
       fail(index, "must wait on exactly one gather in flight");
       return;
     }
+    if (options_.demands(Rule::WaitsFollowGathers)) check_follows_its_gather(index, n);
     const std::vector<int64_t> params = gathers_[n.operands[0].value];
     gathers_.erase(n.operands[0].value);
     if (n.outputs.size() != params.size()) {
@@ -109,6 +110,16 @@ class Verifier {
       live_.insert(params[i]);
       if (i < n.outputs.size()) full_values_[n.outputs[i]] = params[i];
     }
+  }
+
+  // Bucketing fuses gather/wait pairs and relies on finding them adjacent.
+  void check_follows_its_gather(size_t index, const Node& wait) {
+    const Node* before = index > 0 ? &graph_.nodes[index - 1] : nullptr;
+    if (before && before->kind == NodeKind::Gather && !before->outputs.empty() &&
+        before->outputs[0] == wait.operands[0].value) {
+      return;
+    }
+    fail(index, "waits on %", wait.operands[0].value, ", which is not the node right before it");
   }
 
   void visit_release(size_t index, const Node& n) {
@@ -165,7 +176,7 @@ class Verifier {
     for (int64_t p : live_) {
       errors_.push_back(detail::concat("parameter @", p, " is gathered but never released"));
     }
-    if (!options_.require_reductions) return;
+    if (!options_.demands(Rule::GradientsReduced)) return;
     for (const auto& [p, count] : reductions_) {
       if (count != 1) {
         errors_.push_back(detail::concat("gradient of @", p, " is reduced ", count,

@@ -1,8 +1,8 @@
-#include "sharc/param_state.h"
+#include "sharc/core/param_state.h"
 
 #include <utility>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 

@@ -1,12 +1,12 @@
-#include "sharc/runtime.h"
+#include "sharc/runtime/runtime.h"
 
 #include <algorithm>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
-#include "sharc/device_storage.h"
-#include "sharc/error.h"
+#include "sharc/runtime/device_storage.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 

@@ -1,8 +1,8 @@
-#include "sharc/layout.h"
+#include "sharc/core/layout.h"
 
 #include <algorithm>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 

@@ -1,6 +1,6 @@
 #include <map>
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -31,7 +31,7 @@ class RegatherInBackward : public Pass {
     return rewrites;
   }
 
-  void establishes(VerifyOptions& rules) const override { rules.allow_saved_params = false; }
+  Contract contract() const override { return {{}, {Rule::NoSavedParams}, {}}; }
 
  private:
   // Forward must not hand full parameters to backward.

@@ -22,8 +22,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "sharc/error.h"
-#include "sharc/runtime_table.h"
+#include "sharc/core/error.h"
+#include "sharc/runtime/runtime_table.h"
 
 namespace sharc {
 namespace {

@@ -1,4 +1,4 @@
-#include "sharc/device_storage.h"
+#include "sharc/runtime/device_storage.h"
 
 #include <c10/core/Allocator.h>
 

@@ -89,24 +89,56 @@ Graph parse(const std::string& text);
 /// Prints the text form; parse(print(g)) == g.
 std::string print(const Graph& graph);
 
-/// Which rules a graph must already satisfy. A graph straight from the
-/// bridge still reads parameters directly and receives saved full
-/// parameters; passes establish the rest.
-struct VerifyOptions {
-  bool allow_direct_reads = false;   ///< compute may read @k (before insertion)
-  bool allow_saved_params = false;   ///< inputs may be full params (before re-gather)
-  bool require_reductions = true;    ///< every gradient reduced exactly once
-
-  /// Only the structural rules (definitions, gather/wait/release order).
-  static VerifyOptions structural() { return {true, true, false}; }
+/// A rule of the schedule that a pass establishes. The verifier always
+/// checks the structural rules (every value defined once before use; every
+/// gather waited once before its parameters are used; every gathered
+/// parameter released after its last use, by a release that depends on that
+/// use, and never used after release) and, on request, these.
+enum class Rule {
+  NoSavedParams,       ///< no input is a full parameter saved by forward
+  GathersInserted,     ///< no node reads a parameter directly (`@k` operand)
+  WaitsFollowGathers,  ///< every wait comes right after the gather it waits on
+  GradientsReduced,    ///< every gradient is reduced exactly once
 };
 
-/// Checks the schedule's rules; returns one message per violation (empty if
-/// none): every value defined once before use; every gather waited once
-/// before its parameters are used; every gathered parameter released after
-/// its last use, by a release that depends on that use, and never used after
-/// release; and, as `options` demand, no direct parameter reads, no full
-/// parameters received from forward, every gradient reduced exactly once.
-std::vector<std::string> verify(const Graph& graph, const VerifyOptions& options = {});
+/// The rule as messages name it, e.g. "gathers inserted".
+const char* to_string(Rule rule);
+
+/// Which rules, beyond the structural ones, a graph must satisfy. Built by
+/// name: `VerifyOptions::complete().waive(Rule::GradientsReduced)`.
+class VerifyOptions {
+ public:
+  /// Only the structural rules: what a graph straight from the bridge
+  /// satisfies (it reads parameters directly and reduces no gradient).
+  static VerifyOptions structural() { return VerifyOptions(); }
+  /// What every finished schedule satisfies: no saved full parameters,
+  /// gathers inserted, gradients reduced. (Not WaitsFollowGathers:
+  /// prefetching moves gathers away from their waits.)
+  static VerifyOptions complete() {
+    return structural()
+        .require(Rule::NoSavedParams)
+        .require(Rule::GathersInserted)
+        .require(Rule::GradientsReduced);
+  }
+
+  VerifyOptions& require(Rule rule) {
+    rules_.insert(rule);
+    return *this;
+  }
+  VerifyOptions& waive(Rule rule) {
+    rules_.erase(rule);
+    return *this;
+  }
+  bool demands(Rule rule) const { return rules_.count(rule) > 0; }
+
+ private:
+  VerifyOptions() = default;
+  std::set<Rule> rules_;
+};
+
+/// Checks the structural rules and those `options` demand; returns one
+/// message per violation (empty if none).
+std::vector<std::string> verify(const Graph& graph,
+                                const VerifyOptions& options = VerifyOptions::complete());
 
 }  // namespace sharc::ir

@@ -11,7 +11,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "sharc/runtime.h"
+#include "sharc/runtime/runtime.h"
 
 namespace sharc {
 

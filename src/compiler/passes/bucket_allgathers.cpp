@@ -1,6 +1,6 @@
 #include <set>
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -20,6 +20,10 @@ class BucketAllGathers : public Pass {
   explicit BucketAllGathers(int64_t bucket_bytes) : bucket_bytes_(bucket_bytes) {}
 
   std::string name() const override { return "bucket_allgathers"; }
+
+  // Only adjacent gather/wait pairs are fused; on a graph whose gathers were
+  // moved away from their waits it would quietly bucket nothing.
+  Contract contract() const override { return {{Rule::WaitsFollowGathers}, {}, {}}; }
 
   // Walks the gathers in program order. Each one joins the open bucket if it
   // fits (moving it up to the bucket's position: a gather reads nothing but

@@ -1,6 +1,6 @@
-#include "sharc/runtime_table.h"
+#include "sharc/runtime/runtime_table.h"
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 

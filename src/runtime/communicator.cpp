@@ -1,9 +1,9 @@
-#include "sharc/communicator.h"
+#include "sharc/runtime/communicator.h"
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/version.h>
 
-#include "sharc/error.h"
+#include "sharc/core/error.h"
 
 namespace sharc {
 

@@ -1,6 +1,6 @@
 #include <set>
 
-#include "sharc/passes.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -12,6 +12,11 @@ namespace {
 class PrefetchGathers : public Pass {
  public:
   std::string name() const override { return "prefetch_gathers"; }
+
+  // It moves gathers that exist; with none inserted it has nothing to do.
+  Contract contract() const override {
+    return {{Rule::GathersInserted}, {}, {Rule::WaitsFollowGathers}};
+  }
 
   int64_t run(Graph& graph) override {
     int64_t moved = 0;

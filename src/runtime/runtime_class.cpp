@@ -7,7 +7,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "sharc/runtime_table.h"
+#include "sharc/runtime/runtime_table.h"
 
 namespace sharc {
 namespace {

@@ -16,10 +16,10 @@
 #include <ATen/core/Dict.h>
 #include <torch/custom_class.h>
 
-#include "sharc/accounting.h"
-#include "sharc/communicator.h"
-#include "sharc/layout.h"
-#include "sharc/param_state.h"
+#include "sharc/core/accounting.h"
+#include "sharc/runtime/communicator.h"
+#include "sharc/core/layout.h"
+#include "sharc/core/param_state.h"
 
 namespace sharc {
 

@@ -1,0 +1,71 @@
+"""torch.classes.sharc.Scheduler, the one call from the bridge into the C++
+pass pipeline: named options in, structured nodes and per-pass rewrite
+counts out; the older comma-joined `schedule` answers the same schedule."""
+
+import pytest
+import torch
+
+import sharc  # noqa: F401  (loads the library)
+from sharc.config import CompileConfig
+
+Scheduler = torch.classes.sharc.Scheduler
+
+# As lower.py produces it: parameters read directly, one gradient marker.
+IR = """param @0 "g/0" bytes=64
+param @1 "g/1" bytes=8
+%x = input bytes=16
+%y = compute "mm" %x @0 bytes=16
+%z = compute "add" %y @1 bytes=16
+%dw = compute "grad" %z bytes=64 grad=@0
+output %z
+"""
+
+
+def test_structured_nodes_and_pass_records():
+    text, nodes, passes, trace = Scheduler.schedule_nodes(IR)
+    assert "reduce_scatter @0 %dw" in text
+    assert nodes[1] == ("gather", ["sharc_gather_0"], [], [0, 1])
+    assert nodes[2] == ("wait", ["sharc_full_0", "sharc_full_1"], ["sharc_gather_0"], [])
+    assert nodes[3] == ("compute", ["y"], ["x", "sharc_full_0"], [])
+    assert nodes[4] == ("release", [], ["y"], [0])
+    assert ("reduce_scatter", [], ["dw"], [0]) in nodes
+    assert [p[0] for p in passes] == list(Scheduler.pass_names())
+    assert passes[0] == ("regather_in_backward", 0, False)  # the bridge never saves params
+    assert passes[1] == ("insert_gather_release", 2, False)
+    assert trace == []
+
+
+def test_named_options_and_trace():
+    _, nodes, passes, trace = Scheduler.schedule_nodes(
+        ir_text=IR, gather_bucket_bytes=0, reduce_bucket_bytes=1,
+        disabled_passes=["prefetch_gathers"], trace=True)
+    assert sum(kind == "gather" for kind, *_ in nodes) == 2
+    assert ("prefetch_gathers", 0, True) in passes
+    assert [(p, when) for p, when, _ in trace[:2]] == [("regather_in_backward", "before"),
+                                                       ("regather_in_backward", "after")]
+    assert len(trace) == 2 * sum(not skipped for *_, skipped in passes)
+
+
+def test_defaults_are_compile_configs():
+    config = CompileConfig()
+    defaults = Scheduler.schedule_nodes(IR)
+    explicit = Scheduler.schedule_nodes(IR, gather_bucket_bytes=config.gather_bucket_bytes,
+                                        reduce_bucket_bytes=config.reduce_bucket_bytes)
+    assert defaults == explicit
+
+
+def test_older_entry_point_gives_the_same_schedule():
+    text, nodes, _, _ = Scheduler.schedule_nodes(IR, gather_bucket_bytes=1,
+                                                 reduce_bucket_bytes=1)
+    old_text, old_nodes, steps = Scheduler.schedule(IR, 1, 1, [], False)
+    assert old_text == text and steps == []
+    assert old_nodes == [[kind, ",".join(outs), ",".join(f"%{v}" for v in ops),
+                          ",".join(str(p) for p in params)]
+                         for kind, outs, ops, params in nodes]
+
+
+def test_a_missing_rule_names_the_pass_to_enable():
+    with pytest.raises(RuntimeError, match="requires 'gathers inserted', which no earlier "
+                                           "pass established; enable 'insert_gather_release'"):
+        Scheduler.schedule_nodes(IR, disabled_passes=["insert_gather_release",
+                                                      "bucket_allgathers"])
