@@ -2,7 +2,7 @@
 
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
-from sharc.api import memory_stats, reset_memory_stats, shard
+from sharc.api import memory_stats, no_sync, reset_memory_stats, shard
 from sharc.clip import clip_grad_norm_
 from sharc.config import CompileConfig, ShardConfig
 from sharc.state_dict import full_state_dict, load_full_state_dict
@@ -16,6 +16,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "memory_stats",
+    "no_sync",
     "reset_memory_stats",
     "shard",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -107,10 +109,31 @@ def sharded_root(module: torch.nn.Module) -> _ShardedRoot:
     return root
 
 
+@contextlib.contextmanager
+def no_sync(module: torch.nn.Module, enabled: bool = True):
+    """Backward passes inside skip the gradient reduce-scatter: each full
+    gradient is summed into a full-size buffer of its parameter's (counted in
+    memory_stats()['unreduced_grad_bytes']), and the first backward outside
+    reduces the sum once. For gradient accumulation over N micro-batches:
+    1/N of the reduce-scatter traffic, for one full-size gradient per
+    parameter held between micro-batches. Every rank must use it alike.
+    A parameter must get a gradient in the synced backward for what it held
+    back to be reduced."""
+    runtime = sharded_root(getattr(module, "_orig_mod", module)).runtime
+    if enabled:
+        runtime.set_gradient_sync(False)
+    try:
+        yield
+    finally:
+        if enabled:
+            runtime.set_gradient_sync(True)
+
+
 def memory_stats(group=None) -> dict[str, int]:
     """This rank's exact byte figures for `group` (default: the world):
     shard_bytes, gathered_bytes, peak_gathered_bytes, allgather_bytes,
-    reduce_scatter_bytes (sent since the last reset) and collective counts."""
+    reduce_scatter_bytes (sent since the last reset), collective counts, and
+    unreduced_grad_bytes (full gradients held back by no_sync)."""
     group = _validate.check_group(group)
     return dict(_runtime(group).stats())
 

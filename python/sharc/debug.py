@@ -18,7 +18,23 @@ class ReleasedParameterRead(RuntimeError):
 
 class released_reads_raise(TorchDispatchMode):
     """Context manager: raise ReleasedParameterRead when an operator reads a
-    tensor whose storage has been released (slow; for debugging)."""
+    tensor whose storage has been released (slow; for debugging). Given the
+    sharded module, the error names the parameter that was read."""
+
+    def __init__(self, module: torch.nn.Module | None = None):
+        super().__init__()
+        self._names: dict[int, str] = {}
+        if module is not None:
+            from sharc.api import sharded_root
+
+            root = sharded_root(getattr(module, "_orig_mod", module))
+            for ref in root.refs_by_shard.values():
+                storage = root.runtime.padded_base(ref.pid).untyped_storage()
+                self._names[storage._cdata] = ref.fqn
+
+    def _what(self, t: torch.Tensor) -> str:
+        name = self._names.get(t.untyped_storage()._cdata)
+        return f"parameter '{name}'" if name else "a tensor"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -28,7 +44,8 @@ class released_reads_raise(TorchDispatchMode):
                     (s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
                 if t.untyped_storage().nbytes() < needed:
                     raise ReleasedParameterRead(
-                        f"{func} read a tensor of shape {tuple(t.shape)} whose storage was "
-                        "released by sharc: a parameter gathered earlier was kept past its "
-                        "release; read the module attribute again instead of keeping it")
+                        f"{func} read {self._what(t)} of shape {tuple(t.shape)} whose "
+                        "storage was released by sharc: a parameter gathered earlier was "
+                        "kept past its release; read the module attribute again instead "
+                        "of keeping it")
         return func(*args, **kwargs)

@@ -35,6 +35,12 @@ void MemoryAccounting::on_reduce_scatter_sent(int64_t bytes) {
   ++stats_.reduce_scatter_calls;
 }
 
+void MemoryAccounting::on_unreduced(int64_t bytes) {
+  SHARC_CHECK(stats_.unreduced_grad_bytes + bytes >= 0, "freeing ", -bytes,
+              " unreduced gradient bytes, but only ", stats_.unreduced_grad_bytes, " are held");
+  stats_.unreduced_grad_bytes += bytes;
+}
+
 void MemoryAccounting::reset() {
   stats_.allgather_bytes = 0;
   stats_.reduce_scatter_bytes = 0;

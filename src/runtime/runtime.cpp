@@ -252,6 +252,10 @@ void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
   std::lock_guard<std::mutex> lock(mutex_);
   SHARC_CHECK(!reductions_.count(ids[0]), "sharc: a reduce-scatter of '", param(ids[0]).name,
               "' is already in flight; finish it before starting another");
+  if (!gradient_sync_) {
+    start_held_reduction(ids, full_grads);
+    return;
+  }
   const int64_t world = comm_.world_size();
   PendingReduction pending;
   // One collective in the widest reduce dtype of the bucket; each result is
@@ -261,7 +265,7 @@ void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
   std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
   for (size_t i = 0; i < ids.size(); ++i) {
     const ShardedParam& p = param(ids[i]);
-    at::Tensor padded = pad_grad(p, full_grads[i].to(bucket_dtype));
+    at::Tensor padded = pad_grad(p, take_unreduced(param(ids[i]), full_grads[i], bucket_dtype));
     rows.push_back(padded.view({world, p.layout.shard_numel()}));
     pending.widths.push_back(p.layout.shard_numel());
     pending.dtypes.push_back(p.reduce_dtype);
@@ -301,6 +305,52 @@ std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t
     offset += pending.widths[i];
   }
   return shards;
+}
+
+at::Tensor Runtime::take_unreduced(ShardedParam& p, const at::Tensor& grad,
+                                   c10::ScalarType dtype) {
+  at::Tensor flat = grad.reshape({-1}).to(dtype);
+  if (!p.unreduced.defined()) return flat;
+  flat = flat + p.unreduced.to(dtype);
+  accounting_.on_unreduced(-static_cast<int64_t>(p.unreduced.nbytes()));
+  p.unreduced = at::Tensor();
+  return flat;
+}
+
+void Runtime::hold_unreduced(ShardedParam& p, const at::Tensor& grad) {
+  SHARC_CHECK(grad.numel() == p.layout.numel, "sharc: gradient of '", p.name, "' has ",
+              grad.numel(), " elements, expected ", p.layout.numel);
+  at::NoGradGuard no_grad;
+  at::Tensor flat = grad.detach().reshape({-1}).to(p.reduce_dtype);
+  if (p.unreduced.defined()) {
+    p.unreduced.add_(flat);
+    return;
+  }
+  p.unreduced = flat.clone();
+  accounting_.on_unreduced(static_cast<int64_t>(p.unreduced.nbytes()));
+}
+
+// No collective: the gradients wait in their parameters' buffers, and the
+// "reduction" yields zero shard gradients, so every rank still sees the same
+// sequence of start/finish calls.
+void Runtime::start_held_reduction(const std::vector<int64_t>& ids,
+                                   const std::vector<at::Tensor>& full_grads) {
+  PendingReduction pending;
+  int64_t total = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ShardedParam& p = param(ids[i]);
+    hold_unreduced(p, full_grads[i]);
+    pending.widths.push_back(p.layout.shard_numel());
+    pending.dtypes.push_back(p.reduce_dtype);
+    total += p.layout.shard_numel();
+  }
+  pending.out = at::zeros({total}, full_grads[0].options().dtype(param(ids[0]).reduce_dtype));
+  reductions_.emplace(ids[0], std::move(pending));
+}
+
+void Runtime::set_gradient_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gradient_sync_ = sync;
 }
 
 at::Tensor Runtime::full_view(const ShardedParam& p) const {
@@ -371,6 +421,7 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("reduce_scatter_bytes", s.reduce_scatter_bytes);
   out.insert("allgather_calls", s.allgather_calls);
   out.insert("reduce_scatter_calls", s.reduce_scatter_calls);
+  out.insert("unreduced_grad_bytes", s.unreduced_grad_bytes);
   return out;
 }
 

@@ -36,6 +36,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("set_reduce_dtype", &sharc::Runtime::set_reduce_dtype)
+      .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)
       .def("stats", &sharc::Runtime::stats)

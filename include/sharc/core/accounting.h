@@ -20,6 +20,8 @@ struct MemoryStats {
   int64_t reduce_scatter_bytes = 0;  ///< sent by reduce-scatters since reset
   int64_t allgather_calls = 0;       ///< all-gather collectives since reset
   int64_t reduce_scatter_calls = 0;  ///< reduce-scatter collectives since reset
+  /// Full gradients held back from reduction (no_sync micro-batches).
+  int64_t unreduced_grad_bytes = 0;
 };
 
 class MemoryAccounting {
@@ -30,6 +32,8 @@ class MemoryAccounting {
   void on_freed(int64_t bytes);
   void on_allgather_sent(int64_t bytes);
   void on_reduce_scatter_sent(int64_t bytes);
+  /// Full gradients kept unreduced grow or shrink by `bytes`.
+  void on_unreduced(int64_t bytes);
   /// Zeroes the communication counters and sets the peak to the current level.
   void reset();
 

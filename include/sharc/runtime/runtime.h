@@ -60,6 +60,8 @@ struct ShardedParam {
   /// The dtype its gradient is reduce-scattered and delivered in (the
   /// parameter's grad_dtype; by default its own dtype).
   c10::ScalarType reduce_dtype;
+  /// Flat full gradient summed over no_sync micro-batches, not yet reduced.
+  at::Tensor unreduced;
 
   /// A persistent parameter kept gathered from a shard that has changed since.
   bool is_stale() const;
@@ -113,6 +115,12 @@ class Runtime : public torch::CustomClassHolder {
   void set_reduce_dtype(int64_t id, c10::ScalarType dtype);
   c10::ScalarType reduce_dtype(int64_t id);
 
+  /// With sync off (no_sync micro-batches), reductions send nothing: each
+  /// full gradient is added to a buffer of its parameter's and a zero shard
+  /// gradient is returned; the next reduction with sync on adds the buffer
+  /// in. Trades full-size gradient memory for communication.
+  void set_gradient_sync(bool sync);
+
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
 
@@ -147,11 +155,17 @@ class Runtime : public torch::CustomClassHolder {
   void finish_bucket_locked(BucketGather& bucket);
   at::Tensor pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const;
   at::Tensor full_view(const ShardedParam& p) const;
+  /// The gradient to reduce now: `grad` plus what no_sync held back.
+  at::Tensor take_unreduced(ShardedParam& p, const at::Tensor& grad, c10::ScalarType dtype);
+  void hold_unreduced(ShardedParam& p, const at::Tensor& grad);
+  void start_held_reduction(const std::vector<int64_t>& ids,
+                            const std::vector<at::Tensor>& full_grads);
 
   Communicator comm_;
   MemoryAccounting accounting_;
   std::vector<std::unique_ptr<ShardedParam>> params_;
   std::map<int64_t, PendingReduction> reductions_;  ///< by first parameter id
+  bool gradient_sync_ = true;
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };
 

@@ -1,0 +1,280 @@
+"""The remaining corners of ordinary training code, each on 2 gloo ranks in
+eager and compiled mode against one unsharded process: several backward
+passes over one forward, gradients with respect to inputs only, gradient
+accumulation (with and without reducing every micro-batch), forwards
+without backward (no_grad, eval, dropped), part of the model compiled, and
+debug mode naming a parameter read after its release."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import scenario
+from dist_harness import run_ranks
+from models import shard_of
+
+MODES = ["eager", "compiled"]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 5)
+        self.c = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def make_net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.randn(4, 6, generator=g),)
+
+
+def _sharded(mode):
+    import sharc
+
+    model = make_net()
+    sharc.shard(model)
+    return model, (model if mode == "eager" else torch.compile(model, backend="sharc"))
+
+
+def _grads(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_grads(got_per_rank, want):
+    for rank, got in enumerate(got_per_rank):
+        for name, ref in want.items():
+            torch.testing.assert_close(got[name], shard_of(ref, rank, 2), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# -- several backward passes over one forward -----------------------------------
+def _losses(out):
+    return out.pow(2).mean(), out.abs().mean(), out.mean() * 0.5
+
+
+def _retain(rank, world, mode, zero_between):
+    import sharc
+
+    model, step = _sharded(mode)
+    results = []
+    for it in range(2):  # the second iteration runs on compiled graphs, not the trace
+        model.zero_grad()
+        out = step(*batch(it, rank, world))
+        losses = _losses(out)
+        for i, loss in enumerate(losses):
+            loss.backward(retain_graph=i < len(losses) - 1)
+            if zero_between and i < len(losses) - 1:
+                model.zero_grad()
+        results.append((_grads(model), sharc.memory_stats()["gathered_bytes"]))
+    return results
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("zero_between", [False, True])
+def test_three_backward_passes_over_one_forward(mode, zero_between):
+    results = run_ranks(_retain, 2, mode, zero_between)
+    for it in range(2):
+        ref = make_net()
+        x = torch.cat([batch(it, r, 2)[0] for r in range(2)])
+        losses = _losses(ref(x))
+        for i, loss in enumerate(losses):
+            loss.backward(retain_graph=True)
+            if zero_between and i < len(losses) - 1:
+                ref.zero_grad()
+        _check_grads([r[it][0] for r in results], {n: p.grad for n, p in ref.named_parameters()})
+        assert all(r[it][1] == 0 for r in results)
+
+
+# -- gradients with respect to inputs only ---------------------------------------
+def _input_grad(rank, world, mode):
+    import sharc
+
+    model, step = _sharded(mode)
+    outs = []
+    for it in range(2):
+        x = batch(it, rank, world)[0].requires_grad_()
+        (gx,) = torch.autograd.grad(step(x).pow(2).sum(), x)
+        outs.append((gx, [p.grad for p in model.parameters()],
+                     sharc.memory_stats()["gathered_bytes"]))
+    return outs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autograd_grad_with_respect_to_inputs(mode):
+    results = run_ranks(_input_grad, 2, mode)
+    ref = make_net()
+    for rank, outs in enumerate(results):
+        for it, (gx, param_grads, gathered) in enumerate(outs):
+            x = batch(it, rank, 2)[0].requires_grad_()
+            (want,) = torch.autograd.grad(ref(x).pow(2).sum(), x)
+            torch.testing.assert_close(gx, want, rtol=1e-5, atol=1e-6)
+            assert all(g is None for g in param_grads) and gathered == 0
+
+
+# -- gradient accumulation --------------------------------------------------------
+MICRO = 3
+
+
+def _accumulate(rank, world, mode, sync_each):
+    import sharc
+
+    model, step = _sharded(mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = []
+    for it in range(2):
+        sharc.reset_memory_stats()
+        for m in range(MICRO):
+            last = m == MICRO - 1
+            with sharc.no_sync(model, enabled=not (sync_each or last)):
+                (step(*batch(it * MICRO + m, rank, world)).pow(2).mean() / MICRO).backward()
+        grads = _grads(model)
+        opt.step()
+        opt.zero_grad()
+        stats.append(sharc.memory_stats())
+    return grads, sharc.full_state_dict(model), stats
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sync_each", [True, False])
+def test_accumulation_equals_one_step_on_the_concatenated_batch(mode, sync_each):
+    results = run_ranks(_accumulate, 2, mode, sync_each)
+    ref = make_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for it in range(2):
+        x = torch.cat([batch(it * MICRO + m, r, 2)[0] for m in range(MICRO) for r in range(2)])
+        ref(x).pow(2).mean().backward()
+        if it == 1:
+            want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    _check_grads([r[0] for r in results], want)
+    for _, params, stats in results:
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
+        assert stats[-1]["gathered_bytes"] == 0 and stats[-1]["unreduced_grad_bytes"] == 0
+        assert stats[-1]["reduce_scatter_calls"] > 0
+
+
+def test_no_sync_sends_a_third_of_the_reduce_scatter_bytes():
+    each = run_ranks(_accumulate, 2, "eager", True)[0][2][-1]["reduce_scatter_bytes"]
+    last = run_ranks(_accumulate, 2, "eager", False)[0][2][-1]["reduce_scatter_bytes"]
+    assert last * MICRO == each
+
+
+# -- forwards without backward ------------------------------------------------------
+def _no_backward(rank, world, mode):
+    import sharc
+
+    model, step = _sharded(mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for it in range(3):
+        with torch.no_grad():
+            step(*batch(it, rank, world))
+        model.eval()
+        step(*batch(it, rank, world))
+        model.train()
+        step(*batch(it, rank, world))  # a training forward dropped without backward
+        seen.append((sharc.memory_stats()["gathered_bytes"],
+                     sharc.memory_stats()["reduce_scatter_calls"],
+                     [p.grad for p in model.parameters()]))
+        step(*batch(it, rank, world)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sharc.reset_memory_stats()
+    return seen, sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forwards_without_backward_leave_nothing_behind(mode):
+    results = run_ranks(_no_backward, 2, mode)
+    ref = make_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for it in range(3):
+        ref(torch.cat([batch(it, r, 2)[0] for r in range(2)])).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for seen, params in results:
+        for gathered, reductions, grads in seen:
+            assert gathered == 0 and reductions == 0 and all(g is None for g in grads)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
+
+
+# -- part of the model compiled -----------------------------------------------------
+def _partial(rank, world):
+    import sharc
+
+    model = make_net()
+    sharc.shard(model)
+    model.b = torch.compile(model.b, backend="sharc")
+    model.c.forward = torch.compile(model.c.forward, backend="sharc")
+    return scenario_like(model, rank, world)
+
+
+def scenario_like(model, rank, world):
+    import sharc
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for it in range(3):
+        loss = model(*batch(it, rank, world)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((loss.item(), sharc.memory_stats()["gathered_bytes"]))
+    return losses, sharc.full_state_dict(model)
+
+
+def test_part_of_the_model_compiled():
+    results = run_ranks(_partial, 2)
+    ref = make_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for it in range(3):
+        loss = ref(torch.cat([batch(it, r, 2)[0] for r in range(2)])).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got = sum(r[0][it][0] for r in results) / 2
+        assert got == pytest.approx(loss.item(), rel=1e-5)
+    for losses, params in results:
+        assert all(g == 0 for _, g in losses)
+        for name, value in ref.state_dict().items():
+            key = name.replace("b.", "b._orig_mod.") if name.startswith("b.") else name
+            torch.testing.assert_close(params.get(key, params.get(name)), value,
+                                       rtol=1e-4, atol=1e-6)
+
+
+# -- debug mode names the parameter --------------------------------------------------
+def _kept_weight(rank, world):
+    import sharc
+    from sharc.debug import ReleasedParameterRead, released_reads_raise
+
+    model, _ = _sharded("eager")
+    kept = {}
+
+    def keep(mod, inputs, output):
+        kept["w"] = mod.weight  # a user hook holding on to a gathered weight
+
+    model.b.register_forward_hook(keep)
+    model(*batch(0, rank, world)).sum().backward()
+    try:
+        with released_reads_raise(model):
+            kept["w"].sum()
+    except ReleasedParameterRead as e:
+        return str(e)
+    return "no error"
+
+
+def test_debug_mode_names_the_parameter_read_after_release():
+    for message in run_ranks(_kept_weight, 2):
+        assert "parameter 'b.weight'" in message and "released" in message
