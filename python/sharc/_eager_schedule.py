@@ -24,6 +24,7 @@ forward to backward, and several backward passes over one forward
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from sharc._param_ref import ShardedParamRef
 
@@ -71,6 +72,42 @@ def _gathered_origin(t: torch.Tensor) -> ShardedParamRef | None:
     return node.metadata.get(_GATHER_TAG)
 
 
+class GatherUnit:
+    """Parameters that every rank gathers, re-gathers for backward and
+    reduce-scatters together (ShardConfig.gather_units): one collective each
+    at fixed points, whichever of them a rank's data actually uses."""
+
+    __slots__ = ("runtime", "refs", "ids")
+
+    def __init__(self, runtime, refs: list[ShardedParamRef]):
+        self.runtime = runtime
+        self.refs = refs
+        self.ids = [r.pid for r in refs]
+
+    def gather(self) -> None:
+        """Blocking: one bucketed all-gather, one hold on each parameter."""
+        self.runtime.start_gather_bucket(self.ids)
+        self.runtime.wait_gather(self.ids)
+
+    def release(self) -> None:
+        for pid in self.ids:
+            self.runtime.release(pid)
+
+    def reduce(self) -> None:
+        """Blocking: reduce-scatters what backward held back (zeros for what
+        this rank never used) and adds it to the shards' gradients."""
+        trainable = [r for r in self.refs if r.shard.requires_grad]
+        if not trainable:
+            return
+        grads = self.runtime.flush_unit([r.pid for r in trainable])
+        with torch.no_grad():
+            for ref, grad in zip(trainable, grads):
+                if ref.shard.grad is None:
+                    ref.shard.grad = grad
+                else:
+                    ref.shard.grad += grad
+
+
 class _Scope:
     __slots__ = ("full",)
 
@@ -98,6 +135,7 @@ class EagerSchedule:
         self._by_storage = {
             r.runtime.padded_base(r.pid).untyped_storage()._cdata: r for r in refs}
         self._backward_full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
+        self._units_in_backward: list[GatherUnit] = []
         self._end_of_backward_queued = False
 
     # -- forward scopes -------------------------------------------------
@@ -152,6 +190,31 @@ class EagerSchedule:
             full.grad_fn.register_hook(lambda *_: self._release_backward(ref.pid))
         return full
 
+    # -- gather units ---------------------------------------------------
+    # Eager even inside compiled frames (a graph break at each unit): the
+    # unit's collectives must run on every rank at the same point.
+    @torch.compiler.disable
+    def enter_unit(self, unit: GatherUnit) -> None:
+        unit.gather()
+
+    @torch.compiler.disable
+    def exit_unit(self, unit: GatherUnit, output) -> None:
+        unit.release()
+        outputs = [t for t in tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda *_: self._unit_backward(unit), mode="any")
+
+    def _unit_backward(self, unit: GatherUnit) -> None:
+        """The unit's output gradient arrived: gather it whole for its
+        backward; it is reduced and released at the end of backward."""
+        if unit in self._units_in_backward:
+            return
+        unit.gather()
+        self._units_in_backward.append(unit)
+        self._queue_end_of_backward()
+
     # -- backward -------------------------------------------------------
     @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
@@ -187,5 +250,9 @@ class EagerSchedule:
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
+        units, self._units_in_backward = self._units_in_backward, []
+        for unit in units:  # in the same order on every rank
+            unit.reduce()
+            unit.release()
         for pid in list(self._backward_full):
             self._release_backward(pid)

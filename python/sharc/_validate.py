@@ -121,3 +121,25 @@ def check_keep_gathered(names: tuple[str, ...], named) -> None:
         raise ValueError(f"ShardConfig.keep_gathered names {unknown[0]!r}, which is not a "
                          "parameter of this module; use a name from "
                          "module.named_parameters(), e.g. " + repr(sorted(known)[:3]))
+
+
+def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):
+    """(name, submodule) for every module a ShardConfig.gather_units pattern
+    names; each pattern must match, and no unit may sit inside another."""
+    import fnmatch
+
+    named = list(module.named_modules())
+    units = []
+    for pattern in patterns:
+        hits = [(n, m) for n, m in named if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(f"ShardConfig.gather_units names {pattern!r}, which matches no "
+                             "module; use names from module.named_modules(), e.g. "
+                             + repr([n for n, _ in named if n][:3]))
+        units += [h for h in hits if h not in units]
+    for outer, _ in units:
+        for inner, _ in units:
+            if inner != outer and inner.startswith(outer + ".") or (outer == "" and inner):
+                raise ValueError(f"ShardConfig.gather_units: unit '{inner}' lies inside unit "
+                                 f"'{outer}'; name only the outer one")
+    return units

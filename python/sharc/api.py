@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from sharc import _full_param_access, _validate
-from sharc._eager_schedule import EagerSchedule
+from sharc._eager_schedule import EagerSchedule, GatherUnit
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
 from sharc.config import ShardConfig
@@ -45,6 +45,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         _validate.check_replicas(named, group, config.verify_replicas)
 
     _validate.check_keep_gathered(config.keep_gathered, named)
+    units = _validate.resolve_gather_units(module, config.gather_units)
     runtime = _runtime(group)
     refs_by_param = _register(runtime, group.group_name, named)
     for fqn, p in named:
@@ -61,8 +62,24 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     for sub in set(per_module) | {module}:
         sub.register_forward_pre_hook(schedule.forward_pre_hook)
         sub.register_forward_hook(schedule.forward_hook, always_call=True)
+    for _, unit in units:
+        _install_unit(unit, runtime, refs_by_param, schedule)
     object.__setattr__(module, "_sharc_root", _ShardedRoot(group, runtime, refs_by_param))
     return module
+
+
+def _install_unit(unit: torch.nn.Module, runtime, refs_by_param, schedule) -> None:
+    by_shard = {id(ref.shard): ref for ref in refs_by_param.values()}
+    refs = [by_shard[id(shard)] for shard in unit.parameters()]  # shards by now, unique
+    if not refs:
+        return
+    for ref in refs:
+        runtime.set_deferred_reduction(ref.pid, True)
+    gather_unit = GatherUnit(runtime, refs)
+    # Registered first, so the unit is gathered before any scope reads it.
+    unit.register_forward_pre_hook(lambda *_: schedule.enter_unit(gather_unit), prepend=True)
+    unit.register_forward_hook(lambda m, i, out: schedule.exit_unit(gather_unit, out),
+                               always_call=True)
 
 
 def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, ShardedParamRef]:

@@ -19,9 +19,19 @@ class ShardConfig:
     only after their shard changes (an optimizer step). Trades memory for
     communication, for small parameters read in many places."""
 
+    gather_units: tuple[str, ...] = ()
+    """Module names (as `named_modules()` gives them; shell-style patterns
+    such as "layers.*.moe" allowed) whose parameters are gathered, re-gathered
+    for backward and reduce-scattered together, as one unit that every rank
+    enters, whatever its data does inside. Name each mixture-of-experts layer
+    (or any module whose submodules run on some ranks only) here: see
+    docs/design/eager-schedule.md, "Ranks that take different paths"."""
+
     def __post_init__(self) -> None:
         self.keep_gathered = _names("ShardConfig.keep_gathered", self.keep_gathered,
                                     "parameter names")
+        self.gather_units = _names("ShardConfig.gather_units", self.gather_units,
+                                   "module names")
         if not isinstance(self.verify_replicas, bool):
             raise TypeError(
                 f"ShardConfig.verify_replicas must be a bool, got {self.verify_replicas!r}")

@@ -252,10 +252,17 @@ void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
   std::lock_guard<std::mutex> lock(mutex_);
   SHARC_CHECK(!reductions_.count(ids[0]), "sharc: a reduce-scatter of '", param(ids[0]).name,
               "' is already in flight; finish it before starting another");
-  if (!gradient_sync_) {
-    start_held_reduction(ids, full_grads);
-    return;
-  }
+  std::vector<bool> held;
+  for (int64_t id : ids) held.push_back(!gradient_sync_ || param(id).deferred);
+  start_reduction_locked(ids, full_grads, held);
+}
+
+// One collective for the gradients not held back; held ones go to their
+// parameters' buffers and come back as zero shard gradients, so every rank
+// still sees the same start/finish calls.
+void Runtime::start_reduction_locked(const std::vector<int64_t>& ids,
+                                     const std::vector<at::Tensor>& full_grads,
+                                     const std::vector<bool>& held) {
   const int64_t world = comm_.world_size();
   PendingReduction pending;
   // One collective in the widest reduce dtype of the bucket; each result is
@@ -264,18 +271,30 @@ void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
   for (int64_t id : ids) bucket_dtype = c10::promoteTypes(bucket_dtype, param(id).reduce_dtype);
   std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
   for (size_t i = 0; i < ids.size(); ++i) {
-    const ShardedParam& p = param(ids[i]);
-    at::Tensor padded = pad_grad(p, take_unreduced(param(ids[i]), full_grads[i], bucket_dtype));
-    rows.push_back(padded.view({world, p.layout.shard_numel()}));
+    ShardedParam& p = param(ids[i]);
     pending.widths.push_back(p.layout.shard_numel());
     pending.dtypes.push_back(p.reduce_dtype);
+    pending.held.push_back(held[i]);
+    if (held[i]) {
+      hold_unreduced(p, full_grads[i]);
+      continue;
+    }
+    at::Tensor padded = pad_grad(p, take_unreduced(p, full_grads[i], bucket_dtype));
+    rows.push_back(padded.view({world, p.layout.shard_numel()}));
   }
-  // Rank-major input: row r holds rank r's slice of every gradient. The
-  // input is kept alive with the work: the collective reads it until done.
-  pending.input = (rows.size() == 1 ? rows[0] : at::cat(rows, 1)).contiguous().view({-1});
-  pending.out = at::empty({pending.input.numel() / world}, pending.input.options());
-  if (pending.out.numel() > 0) pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
-  accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
+  const at::TensorOptions options = full_grads[0].options().dtype(bucket_dtype);
+  if (rows.empty()) {
+    pending.out = at::empty({0}, options);
+  } else {
+    // Rank-major input: row r holds rank r's slice of every gradient. The
+    // input is kept alive with the work: the collective reads it until done.
+    pending.input = (rows.size() == 1 ? rows[0] : at::cat(rows, 1)).contiguous().view({-1});
+    pending.out = at::empty({pending.input.numel() / world}, options);
+    if (pending.out.numel() > 0) {
+      pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
+    }
+    accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
+  }
   reductions_.emplace(ids[0], std::move(pending));
 }
 
@@ -294,12 +313,16 @@ std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t
   }
   if (pending.work) pending.work->wait();
   at::Tensor out = pending.out.div_(comm_.world_size());
-  if (pending.widths.size() == 1) return {out.to(pending.dtypes[0])};
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
   int64_t offset = 0;
   for (size_t i = 0; i < pending.widths.size(); ++i) {
+    const at::TensorOptions options = out.options().dtype(pending.dtypes[i]);
+    if (pending.held[i]) {
+      shards.push_back(at::zeros({pending.widths[i]}, options));
+      continue;
+    }
     at::Tensor slice = out.narrow(0, offset, pending.widths[i]);
     shards.push_back(slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true));
     offset += pending.widths[i];
@@ -330,27 +353,29 @@ void Runtime::hold_unreduced(ShardedParam& p, const at::Tensor& grad) {
   accounting_.on_unreduced(static_cast<int64_t>(p.unreduced.nbytes()));
 }
 
-// No collective: the gradients wait in their parameters' buffers, and the
-// "reduction" yields zero shard gradients, so every rank still sees the same
-// sequence of start/finish calls.
-void Runtime::start_held_reduction(const std::vector<int64_t>& ids,
-                                   const std::vector<at::Tensor>& full_grads) {
-  PendingReduction pending;
-  int64_t total = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    ShardedParam& p = param(ids[i]);
-    hold_unreduced(p, full_grads[i]);
-    pending.widths.push_back(p.layout.shard_numel());
-    pending.dtypes.push_back(p.reduce_dtype);
-    total += p.layout.shard_numel();
-  }
-  pending.out = at::zeros({total}, full_grads[0].options().dtype(param(ids[0]).reduce_dtype));
-  reductions_.emplace(ids[0], std::move(pending));
-}
-
 void Runtime::set_gradient_sync(bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   gradient_sync_ = sync;
+}
+
+void Runtime::set_deferred_reduction(int64_t id, bool deferred) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  param(id).deferred = deferred;
+}
+
+std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
+  RECORD_FUNCTION("sharc::flush_unit", std::vector<c10::IValue>());
+  SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<at::Tensor> zeros;
+    for (int64_t id : ids) {
+      const ShardedParam& p = param(id);
+      zeros.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.reduce_dtype)));
+    }
+    start_reduction_locked(ids, zeros, std::vector<bool>(ids.size(), false));
+  }
+  return finish_reduce_scatter(ids);
 }
 
 at::Tensor Runtime::full_view(const ShardedParam& p) const {

@@ -41,6 +41,7 @@ struct PendingReduction {
   at::Tensor out;
   std::vector<int64_t> widths;
   std::vector<c10::ScalarType> dtypes;  ///< each parameter's reduce dtype
+  std::vector<bool> held;  ///< held back (no_sync, unit): no part in the collective
 };
 
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
@@ -62,6 +63,9 @@ struct ShardedParam {
   c10::ScalarType reduce_dtype;
   /// Flat full gradient summed over no_sync micro-batches, not yet reduced.
   at::Tensor unreduced;
+  /// In a gather unit: its gradient always waits in `unreduced` until the
+  /// unit's reduction (flush_unit), never reduced on its own.
+  bool deferred = false;
 
   /// A persistent parameter kept gathered from a shard that has changed since.
   bool is_stale() const;
@@ -121,6 +125,14 @@ class Runtime : public torch::CustomClassHolder {
   /// in. Trades full-size gradient memory for communication.
   void set_gradient_sync(bool sync);
 
+  /// Marks a parameter as part of a gather unit (see flush_unit).
+  void set_deferred_reduction(int64_t id, bool deferred);
+  /// Blocking: one reduce-scatter of every parameter of a unit, of what its
+  /// backward held back or zeros where this rank produced no gradient (a
+  /// routed-away expert), so that every rank issues the same collective.
+  /// Returns each flat shard gradient, averaged, in its reduce dtype.
+  std::vector<at::Tensor> flush_unit(const std::vector<int64_t>& ids);
+
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
 
@@ -158,8 +170,9 @@ class Runtime : public torch::CustomClassHolder {
   /// The gradient to reduce now: `grad` plus what no_sync held back.
   at::Tensor take_unreduced(ShardedParam& p, const at::Tensor& grad, c10::ScalarType dtype);
   void hold_unreduced(ShardedParam& p, const at::Tensor& grad);
-  void start_held_reduction(const std::vector<int64_t>& ids,
-                            const std::vector<at::Tensor>& full_grads);
+  void start_reduction_locked(const std::vector<int64_t>& ids,
+                              const std::vector<at::Tensor>& full_grads,
+                              const std::vector<bool>& held);
 
   Communicator comm_;
   MemoryAccounting accounting_;

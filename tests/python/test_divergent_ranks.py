@@ -1,0 +1,87 @@
+"""Ranks that take different paths: a mixture-of-experts layer with learned
+top-1 routing, where an expert gets no token on some rank at some step. With
+the layer named in ShardConfig.gather_units every rank issues the same
+collectives (the layer is gathered, re-gathered and reduced as one unit;
+unused experts contribute zero gradients), and training matches one
+unsharded process, eager and compiled."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import scenario
+from dist_harness import run_ranks
+
+WIDTH, EXPERTS = 8, 3
+SKIPPED = []  # (step, expert) pairs a rank routed no token to, in this process
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(WIDTH, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
+
+    def forward(self, x):
+        gate = self.router(x).softmax(-1)
+        choice = gate.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().flatten()
+            if idx.numel() == 0:
+                SKIPPED.append(e)
+                continue
+            out = out.index_add(0, idx, expert(x[idx]) * gate[idx, e:e + 1])
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, WIDTH)
+        self.moe = MoE()
+        self.out = nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.moe(self.inp(x)))).pow(2).mean()
+
+
+def make():
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(50 * step + rank)
+    return (torch.randn(3, 4, generator=g),)
+
+
+def _rank(rank, world, mode):
+    import sharc
+
+    config = sharc.ShardConfig(gather_units=("moe",))
+    out = scenario.run_sharded(rank, world, make, batch, mode, 8, shard_config=config)
+    out["skipped"] = len(SKIPPED)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_moe_with_unused_experts_matches_single_process(mode):
+    reference = scenario.run_reference(make, batch, 2, 8)
+    results = run_ranks(_rank, 2, mode)
+    assert sum(r["skipped"] for r in results) > 0, "no rank ever left an expert unused"
+    scenario.assert_matches_reference(results, reference, 2)
+
+
+def _bad_unit(rank, world):
+    import sharc
+
+    try:
+        sharc.shard(make(), config=sharc.ShardConfig(gather_units=("mixture",)))
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_unit_name_that_matches_nothing_is_named():
+    for message in run_ranks(_bad_unit, 2):
+        assert "'mixture'" in message and "matches no module" in message
