@@ -31,6 +31,10 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    from sharc._compile import lowerings
+
+    lowerings.register()
+
     def inner(graph_module, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         return compile_fx_inner(schedule_graph(graph_module, config, kind), inputs, **kwargs)
