@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     units = _validate.resolve_gather_units(module, config.gather_units)
     runtime = _runtime(group)
     refs_by_param = _register(runtime, group.group_name, named)
+    _install_optimizer_check()
     for fqn, p in named:
         if fqn in config.keep_gathered:
             runtime.set_persistent(refs_by_param[p].pid, True)
@@ -82,6 +84,31 @@ def _install_unit(unit: torch.nn.Module, runtime, refs_by_param, schedule) -> No
                                always_call=True)
 
 
+_REPLACED = "_sharc_replaced_by_shard"
+
+
+def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
+    """Optimizer step pre-hook (every optimizer): an optimizer made before
+    shard() holds the unsharded parameters, which never get a gradient again,
+    so its steps would silently change nothing."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, _REPLACED, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"sharc: this {type(optimizer).__name__} was created before "
+                    f"sharc.shard() and still holds the unsharded parameter '{name}', which "
+                    "no longer trains; create the optimizer after shard() from "
+                    "model.parameters() (the shards)")
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_check_optimizer_params)
+
+
 def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, ShardedParamRef]:
     refs = {}
     for fqn, p in named:
@@ -92,6 +119,7 @@ def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, Shard
             shard.grad_dtype = p.grad_dtype
             runtime.set_reduce_dtype(pid, p.grad_dtype)
         refs[p] = ShardedParamRef(runtime, group_name, pid, fqn, tuple(p.shape), shard)
+        setattr(p, _REPLACED, fqn)  # the original no longer trains
     return refs
 
 

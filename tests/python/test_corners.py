@@ -278,3 +278,25 @@ def _kept_weight(rank, world):
 def test_debug_mode_names_the_parameter_read_after_release():
     for message in run_ranks(_kept_weight, 2):
         assert "parameter 'b.weight'" in message and "released" in message
+
+
+# -- an optimizer created before shard() ---------------------------------------------
+def _optimizer_first(rank, world):
+    import sharc
+
+    model = make_net()
+    early = torch.optim.AdamW(model.parameters())
+    sharc.shard(model)
+    model(*batch(0, rank, world)).sum().backward()
+    try:
+        early.step()
+    except RuntimeError as e:
+        message = str(e)
+    late = torch.optim.AdamW(model.parameters())
+    late.step()  # the right order still works
+    return message
+
+
+def test_an_optimizer_created_before_shard_is_refused_at_its_first_step():
+    for message in run_ranks(_optimizer_first, 2):
+        assert "created before sharc.shard()" in message and "'a.weight'" in message
