@@ -2,6 +2,7 @@
 
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
+from sharc.checkpoint import get_state_dict, set_state_dict
 from sharc.api import memory_stats, reset_memory_stats, shard
 from sharc.config import CompileConfig, ShardConfig
 from sharc.state_dict import full_state_dict, load_full_state_dict
@@ -12,8 +13,10 @@ __all__ = [
     "CompileConfig",
     "ShardConfig",
     "full_state_dict",
+    "get_state_dict",
     "load_full_state_dict",
     "memory_stats",
     "reset_memory_stats",
+    "set_state_dict",
     "shard",
 ]
