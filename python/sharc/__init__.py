@@ -2,8 +2,9 @@
 
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
-from sharc.checkpoint import get_state_dict, set_state_dict
 from sharc.api import memory_stats, reset_memory_stats, shard
+from sharc.checkpoint import get_state_dict, set_state_dict
+from sharc.checkpoint_io import load_checkpoint, save_checkpoint
 from sharc.config import CompileConfig, ShardConfig
 from sharc.state_dict import full_state_dict, load_full_state_dict
 
@@ -14,9 +15,11 @@ __all__ = [
     "ShardConfig",
     "full_state_dict",
     "get_state_dict",
+    "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
     "reset_memory_stats",
+    "save_checkpoint",
     "set_state_dict",
     "shard",
 ]

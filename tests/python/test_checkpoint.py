@@ -39,7 +39,7 @@ def test_flat_range_chunks_cover_the_range_exactly_in_flat_order():
 # ---- helpers run on every rank --------------------------------------------
 
 def _train(model, opt, rank, world, steps, first_step=0, step_fn=None):
-    step_fn = step_fn or model
+    step_fn = model if step_fn is None else step_fn
     losses = []
     for step in range(first_step, first_step + steps):
         x, y = global_batch(step, 2 * world)
@@ -91,10 +91,12 @@ def _assemble(per_rank):
 
 
 def _assert_bitwise(got, want, what):
+    if isinstance(want, (tuple, list)):
+        got, want = dict(enumerate(got)), dict(enumerate(want))
     assert set(got) == set(want), what
     for fqn in want:
         a, b = got[fqn], want[fqn]
-        if isinstance(b, dict):
+        if isinstance(b, (dict, tuple, list)):
             _assert_bitwise(a, b, f"{what} {fqn}")
         elif isinstance(b, torch.Tensor):
             assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {fqn}: {a.shape} {b.shape}"
@@ -205,3 +207,138 @@ def test_dcp_to_torch_save_loads_strictly_into_the_plain_model(tmp_path):
     _assert_bitwise({k: p.detach() for k, p in model.named_parameters()}, saved[0], "params")
     _assert_bitwise(plain["optim"]["state"], {k: v for k, v in saved[1].items() if v},
                     "optimizer state")
+
+
+# ---- exact resume, eager and compiled --------------------------------------
+
+def _compiled(model, compile_):
+    return torch.compile(model, backend="sharc") if compile_ else model
+
+
+def _train_save_train(rank, world, path, compile_):
+    import sharc
+
+    model, opt = _sharded_job(0)
+    step_fn = _compiled(model, compile_)
+    first = _train(model, opt, rank, world, 10, step_fn=step_fn)
+    sharc.save_checkpoint(path, step_fn, opt, extra={"step": 10})
+    second = _train(model, opt, rank, world, 10, first_step=10, step_fn=step_fn)
+    return first, second, _local_state(model, opt)
+
+
+def _load_train(rank, world, path, compile_):
+    import sharc
+
+    torch.manual_seed(123)
+    model = make_parity_model(seed=1)  # other initial values: the load must replace them
+    sharc.shard(model)
+    opt = make_optimizer(model.parameters())
+    step_fn = _compiled(model, compile_)
+    extra = sharc.load_checkpoint(path, step_fn, opt)
+    losses = _train(model, opt, rank, world, 10, first_step=extra["step"], step_fn=step_fn)
+    return losses, _local_state(model, opt)
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_resume_is_exact(tmp_path, compile_):
+    path = str(tmp_path / "step-10")
+    straight = run_ranks(_train_save_train, 2, path, compile_, timeout=420)
+    resumed = run_ranks(_load_train, 2, path, compile_, timeout=420)
+    for rank, ((_, want, want_state), (got, got_state)) in enumerate(zip(straight, resumed)):
+        assert len(got) == len(want) == 10
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"rank {rank} step {10 + step}: {a.item()} vs {b.item()}"
+        _assert_bitwise(got_state[0], want_state[0], f"rank {rank} params")
+        _assert_bitwise(got_state[1], want_state[1], f"rank {rank} optimizer state")
+
+
+# ---- a save that dies half-way ---------------------------------------------
+
+def _save_and_die(rank, world, root_dir):
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import sharc
+
+    model, opt = _sharded_job(0)
+    _train(model, opt, rank, world, 2)
+    sharc.save_checkpoint(os.path.join(root_dir, "ckpt"), model, opt, extra={"step": 2})
+    good = _local_state(model, opt)
+    _train(model, opt, rank, world, 2, first_step=2)
+    if rank == 1:
+        def die(*args, **kwargs):
+            os._exit(17)  # the process dies while writing its shards
+        fs.FileSystemWriter.write_data = die
+    sharc.save_checkpoint(os.path.join(root_dir, "ckpt"), model, opt, extra={"step": 4})
+    return good
+
+
+def _load_state(rank, world, path):
+    import sharc
+
+    model, opt = _sharded_job(0)
+    extra = sharc.load_checkpoint(path, model, opt)
+    return extra, _local_state(model, opt)
+
+
+def test_a_save_killed_half_way_leaves_the_last_checkpoint_loadable(tmp_path):
+    with pytest.raises(RankFailure):
+        run_ranks(_save_and_die, 2, str(tmp_path), timeout=90)
+    assert os.path.isdir(tmp_path / "ckpt.partial")  # the dead save got that far
+    good = _assemble(run_ranks(_save, 2, str(tmp_path / "reference"), 2))
+    results = run_ranks(_load_state, 2, str(tmp_path / "ckpt"))
+    assert [extra for extra, _ in results] == [{"step": 2}, {"step": 2}]
+    loaded = _assemble([state for _, state in results])
+    _assert_bitwise(loaded[0], good[0], "params")
+    _assert_bitwise(loaded[1], good[1], "optimizer state")
+
+
+# ---- model only, compiled wrappers, wrong architecture ---------------------
+
+def _model_only_round_trip(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    model, _ = _sharded_job(0)
+    compiled = torch.compile(model, backend="sharc")
+    model_sd, optim_sd = sharc.get_state_dict(compiled)  # no optimizer
+    keys = list(model_sd)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    want = sharc.full_state_dict(model)
+    fresh = make_parity_model(seed=1)
+    sharc.shard(fresh)
+    state = {"model": sharc.get_state_dict(fresh)[0]}
+    dcp.load(state, checkpoint_id=path)
+    sharc.set_state_dict(fresh, model_state_dict=state["model"])
+    return keys, optim_sd, want, sharc.full_state_dict(fresh)
+
+
+def test_model_only_state_dict_of_a_compiled_module(tmp_path):
+    for keys, optim_sd, want, got in run_ranks(_model_only_round_trip, 2, str(tmp_path / "m")):
+        assert optim_sd == {}
+        assert keys == list(make_parity_model().state_dict())  # no "_orig_mod." prefixes
+        _assert_bitwise(got, want, "model")
+
+
+def _load_into_other_architecture(rank, world, path):
+    import sharc
+    from models import ParityGPT, parity_config
+
+    model, opt = _sharded_job(0)
+    sharc.save_checkpoint(path, model, opt)
+    cfg = parity_config()
+    cfg.n_embd = 32  # same names, other shapes
+    other = ParityGPT(cfg)
+    sharc.shard(other)
+    try:
+        sharc.load_checkpoint(path, other, make_optimizer(other.parameters()))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_loading_into_another_architecture_names_the_first_mismatch(tmp_path):
+    for message in run_ranks(_load_into_other_architecture, 2, str(tmp_path / "c")):
+        assert message is not None
+        assert "'wte.weight' has shape (65, 24) in the checkpoint and (65, 32) in the model" \
+            in message, message
