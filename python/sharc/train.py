@@ -32,7 +32,7 @@ from sharc.run_dir import RunDir
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    steps: int = 1200
+    steps: int = 800
     """Optimizer steps in total (a resumed run continues up to this)."""
     batch_per_rank: int = 16
     seq_len: int = 128
@@ -48,7 +48,7 @@ class TrainConfig:
     eval_every: int = 200
     """Validation loss (held-out last 10% of the text) every this many steps."""
     eval_batches: int = 8
-    checkpoint_every: int = 400
+    checkpoint_every: int = 200
     keep_checkpoints: int = 2
     run_dir: str = ""
     """Where metrics and checkpoints go (default runs/<date-time>)."""

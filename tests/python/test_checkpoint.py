@@ -342,3 +342,53 @@ def test_loading_into_another_architecture_names_the_first_mismatch(tmp_path):
         assert message is not None
         assert "'wte.weight' has shape (65, 24) in the checkpoint and (65, 32) in the model" \
             in message, message
+
+
+# ---- ranks that own nothing, N-D parameters --------------------------------
+
+class _Odd(torch.nn.Module):
+    """A 3-element vector (a rank of 4 owns none of it), a 3-D tensor whose
+    shards cut across rows and planes, and a 1x1 matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.vec = torch.nn.Parameter(torch.randn(3))
+        self.cube = torch.nn.Parameter(torch.randn(2, 3, 5))
+        self.one = torch.nn.Parameter(torch.randn(1, 1))
+
+
+def _save_odd(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    torch.manual_seed(5)
+    model = _Odd()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    sharc.shard(model)
+    dcp.save({"model": sharc.get_state_dict(model)[0]}, checkpoint_id=path)
+    return want
+
+
+def _load_odd(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    torch.manual_seed(6)  # other values: the load must replace them
+    model = _Odd()
+    sharc.shard(model)
+    state = {"model": sharc.get_state_dict(model)[0]}
+    dcp.load(state, checkpoint_id=path)
+    sharc.set_state_dict(model, model_state_dict=state["model"])
+    return sharc.full_state_dict(model)
+
+
+def test_parameters_some_ranks_own_nothing_of_reshard(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    want = run_ranks(_save_odd, 4, str(tmp_path / "c"))[0]
+    for got in run_ranks(_load_odd, 3, str(tmp_path / "c")):
+        _assert_bitwise(got, want, "3 ranks")
+    dcp_to_torch_save(str(tmp_path / "c"), str(tmp_path / "plain.pt"))
+    _assert_bitwise(torch.load(tmp_path / "plain.pt")["model"], want, "torch.save")
