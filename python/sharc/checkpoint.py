@@ -163,13 +163,19 @@ def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     """Loads what `get_state_dict` produced (after `dcp.load` filled it) into
     the sharded model and, if given, the optimizer. Sharded entries may also
     be full tensors of the original shape (this rank's slice is taken), so an
-    unsharded state dict loads too. Checks every key and shape first and
-    raises naming the first mismatch, changing nothing. Not collective.
+    unsharded state dict loads too. Checks every model key and shape, and the
+    optimizer's parameter groups, first, and raises naming the first mismatch
+    before changing anything. Not collective.
     """
     model = unwrap_compiled(model)
     root = sharded_root(model)
     own = {_clean(k): v for k, v in model.state_dict(keep_vars=True).items()}
     _check_model_keys(own, model_state_dict, root)
+    if optimizer is not None:
+        if optim_state_dict is None:
+            raise ValueError("sharc.set_state_dict: an optimizer was given without "
+                             "optim_state_dict; pass both, or optimizer=None for model only")
+        by_fqn = _check_optim(optimizer, root, optim_state_dict)
     with torch.no_grad():
         for name, target in own.items():
             value = model_state_dict[name]
@@ -179,10 +185,7 @@ def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
             elif value is not target:
                 target.copy_(value)
     if optimizer is not None:
-        if optim_state_dict is None:
-            raise ValueError("sharc.set_state_dict: an optimizer was given without "
-                             "optim_state_dict; pass both, or optimizer=None for model only")
-        _load_optim(optimizer, root, optim_state_dict)
+        _load_optim(optimizer, by_fqn, optim_state_dict, root.group)
 
 
 def _check_model_keys(own: dict, given: dict, root) -> None:
@@ -204,7 +207,9 @@ def _check_model_keys(own: dict, given: dict, root) -> None:
                              "model architecture")
 
 
-def _load_optim(optimizer, root, osd: dict) -> None:
+def _check_optim(optimizer, root, osd: dict) -> dict:
+    """The saved groups list the same parameters as the optimizer's, and the
+    saved state names only those; returns fqn -> ShardedParamRef."""
     saved_groups = osd["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"sharc.set_state_dict: the state dict has {len(saved_groups)} "
@@ -218,16 +223,21 @@ def _load_optim(optimizer, root, osd: dict) -> None:
                              f"{fqns[:4]}..., the state dict {list(saved['params'])[:4]}...; "
                              "build the optimizer's groups as in the saved job")
         by_fqn.update((ref.fqn, ref) for ref in refs)
-    for fqn, saved_state in osd["state"].items():
+    for fqn in osd["state"]:
         if fqn not in by_fqn:
             raise KeyError(f"sharc.set_state_dict: optimizer state for '{fqn}', which no "
                            "param group holds")
+    return by_fqn
+
+
+def _load_optim(optimizer, by_fqn: dict, osd: dict, group) -> None:
+    for fqn, saved_state in osd["state"].items():
         ref = by_fqn[fqn]
         state = optimizer.state[ref.shard]
         for key, value in saved_state.items():
-            state[key] = _import_state(value, ref, state.get(key), root.group)
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        group.update((k, v) for k, v in saved.items() if k != "params")
+            state[key] = _import_state(value, ref, state.get(key), group)
+    for opt_group, saved in zip(optimizer.param_groups, osd["param_groups"]):
+        opt_group.update((k, v) for k, v in saved.items() if k != "params")
 
 
 def _import_state(value, ref, current, group):

@@ -52,9 +52,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     run_dir: str = ""
     """Where metrics and checkpoints go (default runs/<date-time>)."""
-    compile: bool = False
-    """torch.compile(backend="sharc"); eager measured faster for the default
-    model on 2 CPU cores (see docs/training.md). --compile / --eager override."""
+    compile: bool = True
+    """torch.compile(backend="sharc"): measured about 25-40% more tokens/s than
+    eager for the default model on 2 CPU cores, which repays its compile time
+    within the run (docs/training.md). --eager / --no-compile override."""
     sample_chars: int = 300
     """Characters of text generated at the end (0: none)."""
     plot: bool = False

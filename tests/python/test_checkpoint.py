@@ -330,18 +330,28 @@ def _load_into_other_architecture(rank, world, path):
     cfg.n_embd = 32  # same names, other shapes
     other = ParityGPT(cfg)
     sharc.shard(other)
+    messages = []
     try:
         sharc.load_checkpoint(path, other, make_optimizer(other.parameters()))
     except ValueError as e:
-        return str(e)
-    return None
+        messages.append(str(e))
+    before = sharc.full_state_dict(other)
+    try:  # the same check without the helper, before anything changes
+        sharc.set_state_dict(other, model_state_dict=sharc.get_state_dict(model)[0])
+    except ValueError as e:
+        messages.append(str(e))
+    unchanged = all(torch.equal(v, before[k]) for k, v in sharc.full_state_dict(other).items())
+    return messages, unchanged
 
 
 def test_loading_into_another_architecture_names_the_first_mismatch(tmp_path):
-    for message in run_ranks(_load_into_other_architecture, 2, str(tmp_path / "c")):
-        assert message is not None
+    for messages, unchanged in run_ranks(_load_into_other_architecture, 2, str(tmp_path / "c")):
+        assert len(messages) == 2, messages
         assert "'wte.weight' has shape (65, 24) in the checkpoint and (65, 32) in the model" \
-            in message, message
+            in messages[0], messages[0]
+        assert "'wte.weight' has shape (65, 24) in the state dict but (65, 32) in the model" \
+            in messages[1], messages[1]
+        assert unchanged
 
 
 # ---- ranks that own nothing, N-D parameters --------------------------------

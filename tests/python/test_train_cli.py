@@ -12,7 +12,8 @@ import sys
 SMALL = ["--steps", "12", "--n-layer", "2", "--n-embd", "48", "--n-head", "2",
          "--seq-len", "32", "--batch-per-rank", "4", "--log-every", "4", "--lr", "3e-3",
          "--warmup-steps", "2", "--eval-every", "8", "--eval-batches", "2",
-         "--checkpoint-every", "6", "--sample-chars", "40"]
+         "--checkpoint-every", "6", "--sample-chars", "40",
+         "--eager"]  # compiling the tiny model would cost more than it saves; see below
 
 
 def _losses(out: str) -> tuple[float, float]:
@@ -66,7 +67,7 @@ def test_train_compiled_with_the_sharc_backend(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     first, last = _losses(r.stdout)
     assert last < first - 0.3
-    assert ", compiled;" in r.stdout
+    assert ", compiled;" in r.stdout  # --compile after --eager wins
 
 
 def test_train_under_torchrun(tmp_path):
