@@ -1,5 +1,6 @@
 """Tiny Shakespeare, bundled, as character tokens, split into training text
-(the first 90%) and held-out validation text (the last 10%)."""
+(the first 90%) and held-out validation text (the last 10%). Batches of the
+whole text (split=None) are what the tests and the benchmark use."""
 
 from __future__ import annotations
 
@@ -34,13 +35,16 @@ class CharDataset:
     def decode(self, tokens) -> str:
         return "".join(self.chars[int(t)] for t in tokens)
 
-    def split(self, name: str) -> torch.Tensor:
+    def split(self, name: str | None) -> torch.Tensor:
+        """The tokens of split `name`; None: the whole text."""
+        if name is None:
+            return self.tokens
         if name not in self._splits:
             raise ValueError(f"unknown split '{name}'; choose one of {SPLITS}")
         return self._splits[name]
 
     def global_batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
-                     split: str = "train"):
+                     split: str | None = None):
         """(inputs, targets) of `batch_size` random windows of `split`; a pure
         function of its arguments, so the same on every rank (ranks take
         disjoint slices) and after a resume (the step is the data position)."""
@@ -55,7 +59,7 @@ class CharDataset:
         return x, y
 
     def rank_batch(self, step: int, batch_per_rank: int, seq_len: int, rank: int,
-                   world_size: int, seed: int = 0, split: str = "train"):
+                   world_size: int, seed: int = 0, split: str | None = None):
         """This rank's slice of the global batch of batch_per_rank * world_size."""
         x, y = self.global_batch(step, batch_per_rank * world_size, seq_len, seed, split)
         sl = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)

@@ -202,7 +202,8 @@ def _loop(cfg, run, data, model, step_fn, opt, start: dict) -> dict:
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
-        x, y = data.rank_batch(step, cfg.batch_per_rank, cfg.seq_len, rank, world, cfg.seed)
+        x, y = data.rank_batch(step, cfg.batch_per_rank, cfg.seq_len, rank, world, cfg.seed,
+                               split="train")
         loss = step_fn(x, y)
         loss.backward()
         opt.step()
