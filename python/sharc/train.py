@@ -79,10 +79,12 @@ def _parse(argv=None) -> tuple[TrainConfig, int, str | None]:
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
         flag, value = f"--{field.name.replace('_', '-')}", getattr(defaults, field.name)
+        shown = "runs/<date>-<time>" if value == "" else value  # run_dir is the only ""
         if isinstance(value, bool):
-            p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)
+            p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction,
+                           help=f"default: {'on' if value else 'off'}")
         else:
-            p.add_argument(flag, type=type(value), default=None)
+            p.add_argument(flag, type=type(value), default=None, help=f"default: {shown}")
     p.add_argument("--eager", dest="compile", action="store_false", default=None,
                    help="same as --no-compile")
     a = vars(p.parse_args(argv))
