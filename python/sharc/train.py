@@ -214,7 +214,7 @@ def _loop(cfg, run, data, model, step_fn, opt, start: dict) -> dict:
         interval.seconds += time.perf_counter() - t0
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
-            record = _log(cfg, opt, interval, done, tokens_per_step, comm)
+            record = _log(opt, interval, done, tokens_per_step, comm)
             first_loss = record["loss"] if first_loss is None else first_loss
             train_seconds += record["interval_seconds"]
             record["train_seconds"] = train_seconds
@@ -249,9 +249,9 @@ class _Comm:
             self.peaks[m["rank"]] = max(self.peaks.get(m["rank"], 0), m["peak_gathered_bytes"])
 
 
-def _log(cfg, opt, interval: _Interval, done: int, tokens_per_step: int, comm: _Comm) -> dict:
+def _log(opt, interval: _Interval, done: int, tokens_per_step: int, comm: _Comm) -> dict:
+    steps = len(interval.losses)  # fewer than log_every right after a resume
     loss, seconds = interval.take()
-    steps = cfg.log_every if done % cfg.log_every == 0 else done % cfg.log_every
     memory = report.all_rank_memory(opt)  # collective: every rank takes part
     comm.add(memory)
     sharc.reset_memory_stats()

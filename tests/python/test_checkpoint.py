@@ -51,7 +51,7 @@ def _train(model, opt, rank, world, steps, first_step=0, step_fn=None):
     return losses
 
 
-def _sharded_job(steps):
+def _sharded_job():
     import sharc
 
     model = make_parity_model()
@@ -114,7 +114,7 @@ def _layouts(rank, world):
     plain = make_parity_model()
     plain_opt = make_optimizer(plain.parameters())
     want_m, want_o = torch_get(plain, plain_opt)
-    model, opt = _sharded_job(0)
+    model, opt = _sharded_job()
     got_m, got_o = sharc.get_state_dict(model, opt)
 
     def shapes(sd):
@@ -141,7 +141,7 @@ def _save(rank, world, path, steps):
 
     import sharc
 
-    model, opt = _sharded_job(steps)
+    model, opt = _sharded_job()
     _train(model, opt, rank, world, steps)
     model_sd, optim_sd = sharc.get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -153,7 +153,7 @@ def _load(rank, world, path):
 
     import sharc
 
-    model, opt = _sharded_job(0)
+    model, opt = _sharded_job()
     model_sd, optim_sd = sharc.get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -218,7 +218,7 @@ def _compiled(model, compile_):
 def _train_save_train(rank, world, path, compile_):
     import sharc
 
-    model, opt = _sharded_job(0)
+    model, opt = _sharded_job()
     step_fn = _compiled(model, compile_)
     first = _train(model, opt, rank, world, 10, step_fn=step_fn)
     sharc.save_checkpoint(path, step_fn, opt, extra={"step": 10})
@@ -259,7 +259,7 @@ def _save_and_die(rank, world, root_dir):
 
     import sharc
 
-    model, opt = _sharded_job(0)
+    model, opt = _sharded_job()
     _train(model, opt, rank, world, 2)
     sharc.save_checkpoint(os.path.join(root_dir, "ckpt"), model, opt, extra={"step": 2})
     good = _local_state(model, opt)
@@ -275,7 +275,7 @@ def _save_and_die(rank, world, root_dir):
 def _load_state(rank, world, path):
     import sharc
 
-    model, opt = _sharded_job(0)
+    model, opt = _sharded_job()
     extra = sharc.load_checkpoint(path, model, opt)
     return extra, _local_state(model, opt)
 
@@ -299,7 +299,7 @@ def _model_only_round_trip(rank, world, path):
 
     import sharc
 
-    model, _ = _sharded_job(0)
+    model, _ = _sharded_job()
     compiled = torch.compile(model, backend="sharc")
     model_sd, optim_sd = sharc.get_state_dict(compiled)  # no optimizer
     keys = list(model_sd)
@@ -324,7 +324,7 @@ def _load_into_other_architecture(rank, world, path):
     import sharc
     from models import ParityGPT, parity_config
 
-    model, opt = _sharded_job(0)
+    model, opt = _sharded_job()
     sharc.save_checkpoint(path, model, opt)
     cfg = parity_config()
     cfg.n_embd = 32  # same names, other shapes
