@@ -4,6 +4,8 @@ from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
 from sharc.api import memory_stats, no_sync, reset_memory_stats, shard
 from sharc.clip import clip_grad_norm_
+from sharc.checkpoint import get_state_dict, set_state_dict
+from sharc.checkpoint_io import load_checkpoint, save_checkpoint
 from sharc.config import CompileConfig, ShardConfig
 from sharc.state_dict import full_state_dict, load_full_state_dict
 
@@ -14,9 +16,13 @@ __all__ = [
     "ShardConfig",
     "clip_grad_norm_",
     "full_state_dict",
+    "get_state_dict",
+    "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
     "no_sync",
     "reset_memory_stats",
+    "save_checkpoint",
+    "set_state_dict",
     "shard",
 ]

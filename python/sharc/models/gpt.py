@@ -110,3 +110,22 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None):
+        """`idx` (batch, time) followed by `max_new_tokens` sampled tokens,
+        each conditioned on at most the last block_size tokens. A sharded
+        model gathers parameters collectively in every forward, so every rank
+        must call this together, with the same prompt and generator seed
+        (the ranks then sample the same text)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :] / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = logits.softmax(dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

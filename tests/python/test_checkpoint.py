@@ -1,0 +1,404 @@
+"""Sharded checkpoints through torch.distributed.checkpoint: the layout
+matches torch's own state dicts, checkpoints reshard between world sizes and
+to one unsharded process bitwise, resume is exact, and an interrupted save
+never damages the last good checkpoint."""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from dist_harness import RankFailure, run_ranks
+from models import global_batch, make_optimizer, make_parity_model, rank_slice
+
+
+# ---- layout: flat ranges as rectangles (no process group needed) ----------
+
+def test_flat_range_chunks_cover_the_range_exactly_in_flat_order():
+    from sharc._flat_chunks import flat_range_chunks
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 4)))
+        n = math.prod(shape)
+        start = rng.randint(0, n)
+        stop = rng.randint(start, n)
+        full = torch.arange(n).reshape(shape)
+        seen = []
+        chunks = flat_range_chunks(shape, start, stop)
+        for c in chunks:
+            box = full[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))].reshape(-1)
+            assert box.tolist() == list(range(c.flat_start, c.flat_start + c.numel)), (shape, c)
+            seen += box.tolist()
+        assert seen == list(range(start, stop)), (shape, start, stop, chunks)
+        assert len(chunks) <= max(1, 2 * len(shape) - 1)
+
+
+# ---- helpers run on every rank --------------------------------------------
+
+def _train(model, opt, rank, world, steps, first_step=0, step_fn=None):
+    step_fn = model if step_fn is None else step_fn
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y = global_batch(step, 2 * world)
+        loss = step_fn(rank_slice(x, rank, world), rank_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def _sharded_job():
+    import sharc
+
+    model = make_parity_model()
+    sharc.shard(model)
+    opt = make_optimizer(model.parameters())
+    return model, opt
+
+
+def _local_state(model, opt):
+    """This rank's shards of parameters and optimizer state, by fqn."""
+    from sharc.api import sharded_root
+
+    root = sharded_root(model)
+    params, state = {}, {}
+    for ref in root.refs_by_shard.values():
+        params[ref.fqn] = (ref.shape, ref.shard.detach().clone())
+        st = opt.state.get(ref.shard, {})
+        state[ref.fqn] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in st.items()}
+    return params, state
+
+
+def _assemble(per_rank):
+    """Full tensors from every rank's (params, state) shards: concatenate,
+    drop the padding, take the true shape. Scalars (step) from rank 0."""
+    params0, state0 = per_rank[0]
+    params, state = {}, {}
+    for fqn, (shape, _) in params0.items():
+        n = math.prod(shape)
+        params[fqn] = torch.cat([r[0][fqn][1] for r in per_rank])[:n].view(shape)
+        state[fqn] = {}
+        for key, value in state0[fqn].items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1:
+                value = torch.cat([r[1][fqn][key] for r in per_rank])[:n].view(shape)
+            state[fqn][key] = value
+    return params, state
+
+
+def _assert_bitwise(got, want, what):
+    if isinstance(want, (tuple, list)):
+        got, want = dict(enumerate(got)), dict(enumerate(want))
+    assert set(got) == set(want), what
+    for fqn in want:
+        a, b = got[fqn], want[fqn]
+        if isinstance(b, (dict, tuple, list)):
+            _assert_bitwise(a, b, f"{what} {fqn}")
+        elif isinstance(b, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {fqn}: {a.shape} {b.shape}"
+            assert torch.equal(a, b), f"{what} {fqn} differs"
+        else:
+            assert a == b, f"{what} {fqn}: {a} != {b}"
+
+
+# ---- layout matches torch.distributed.checkpoint.state_dict ---------------
+
+def _layouts(rank, world):
+    import sharc
+    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get
+
+    plain = make_parity_model()
+    plain_opt = make_optimizer(plain.parameters())
+    want_m, want_o = torch_get(plain, plain_opt)
+    model, opt = _sharded_job()
+    got_m, got_o = sharc.get_state_dict(model, opt)
+
+    def shapes(sd):
+        return {k: tuple(v.size()) for k, v in sd.items()}
+
+    return ((list(got_m), shapes(got_m), {k: shapes(v) for k, v in got_o["state"].items()},
+             got_o["param_groups"]),
+            (list(want_m), shapes(want_m), {k: shapes(v) for k, v in want_o["state"].items()},
+             want_o["param_groups"]))
+
+
+def test_state_dict_layout_matches_torch_get_state_dict():
+    for got, want in run_ranks(_layouts, 2):
+        assert got[0] == want[0]  # model keys, in order, tied names included
+        assert got[1] == want[1]  # global shapes
+        assert got[2] == want[2]  # optimizer state keys and shapes by fqn
+        assert got[3] == want[3]  # param groups by fqn with hyperparameters
+
+
+# ---- resharding: W -> W' ranks, and to one unsharded process --------------
+
+def _save(rank, world, path, steps):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    model, opt = _sharded_job()
+    _train(model, opt, rank, world, steps)
+    model_sd, optim_sd = sharc.get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return _local_state(model, opt)
+
+
+def _load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    model, opt = _sharded_job()
+    model_sd, optim_sd = sharc.get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    sharc.set_state_dict(model, opt, model_state_dict=state["model"],
+                         optim_state_dict=state["optim"])
+    return _local_state(model, opt)
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 4), (4, 2)])
+def test_checkpoint_reshards_bitwise(tmp_path, save_world, load_world):
+    saved = _assemble(run_ranks(_save, save_world, str(tmp_path / "ckpt"), 3))
+    loaded = _assemble(run_ranks(_load, load_world, str(tmp_path / "ckpt")))
+    assert saved[1]["wte.weight"]["exp_avg"].abs().sum() > 0  # real state was saved
+    _assert_bitwise(loaded[0], saved[0], "params")
+    _assert_bitwise(loaded[1], saved[1], "optimizer state")
+
+
+def _load_unsharded(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get
+    from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set
+
+    model = make_parity_model(seed=1)  # different values: the load must overwrite them
+    opt = make_optimizer(model.parameters())
+    model_sd, optim_sd = torch_get(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    torch_set(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    named = dict(model.named_parameters())
+    params = {fqn: p.detach().clone() for fqn, p in named.items()}
+    opt_state = {fqn: {k: v.clone() for k, v in opt.state.get(p, {}).items()}
+                 for fqn, p in named.items()}
+    return params, opt_state
+
+
+def test_checkpoint_loads_into_one_unsharded_process(tmp_path):
+    saved = _assemble(run_ranks(_save, 2, str(tmp_path / "ckpt"), 3))
+    [(params, opt_state)] = run_ranks(_load_unsharded, 1, str(tmp_path / "ckpt"))
+    _assert_bitwise(params, saved[0], "params")
+    _assert_bitwise(opt_state, saved[1], "optimizer state")
+
+
+def test_dcp_to_torch_save_loads_strictly_into_the_plain_model(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = _assemble(run_ranks(_save, 4, str(tmp_path / "ckpt"), 2))
+    dcp_to_torch_save(str(tmp_path / "ckpt"), str(tmp_path / "plain.pt"))
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    model = make_parity_model(seed=1)
+    model.load_state_dict(plain["model"], strict=True)
+    _assert_bitwise({k: p.detach() for k, p in model.named_parameters()}, saved[0], "params")
+    _assert_bitwise(plain["optim"]["state"], {k: v for k, v in saved[1].items() if v},
+                    "optimizer state")
+
+
+# ---- exact resume, eager and compiled --------------------------------------
+
+def _compiled(model, compile_):
+    return torch.compile(model, backend="sharc") if compile_ else model
+
+
+def _train_save_train(rank, world, path, compile_):
+    import sharc
+
+    model, opt = _sharded_job()
+    step_fn = _compiled(model, compile_)
+    first = _train(model, opt, rank, world, 10, step_fn=step_fn)
+    sharc.save_checkpoint(path, step_fn, opt, extra={"step": 10})
+    second = _train(model, opt, rank, world, 10, first_step=10, step_fn=step_fn)
+    return first, second, _local_state(model, opt)
+
+
+def _load_train(rank, world, path, compile_):
+    import sharc
+
+    torch.manual_seed(123)
+    model = make_parity_model(seed=1)  # other initial values: the load must replace them
+    sharc.shard(model)
+    opt = make_optimizer(model.parameters())
+    step_fn = _compiled(model, compile_)
+    extra = sharc.load_checkpoint(path, step_fn, opt)
+    losses = _train(model, opt, rank, world, 10, first_step=extra["step"], step_fn=step_fn)
+    return losses, _local_state(model, opt)
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_resume_is_exact(tmp_path, compile_):
+    path = str(tmp_path / "step-10")
+    straight = run_ranks(_train_save_train, 2, path, compile_, timeout=420)
+    resumed = run_ranks(_load_train, 2, path, compile_, timeout=420)
+    for rank, ((_, want, want_state), (got, got_state)) in enumerate(zip(straight, resumed)):
+        assert len(got) == len(want) == 10
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"rank {rank} step {10 + step}: {a.item()} vs {b.item()}"
+        _assert_bitwise(got_state[0], want_state[0], f"rank {rank} params")
+        _assert_bitwise(got_state[1], want_state[1], f"rank {rank} optimizer state")
+
+
+# ---- a save that dies half-way ---------------------------------------------
+
+def _save_and_die(rank, world, root_dir):
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import sharc
+
+    model, opt = _sharded_job()
+    _train(model, opt, rank, world, 2)
+    sharc.save_checkpoint(os.path.join(root_dir, "ckpt"), model, opt, extra={"step": 2})
+    good = _local_state(model, opt)
+    _train(model, opt, rank, world, 2, first_step=2)
+    if rank == 1:
+        def die(*args, **kwargs):
+            os._exit(17)  # the process dies while writing its shards
+        fs.FileSystemWriter.write_data = die
+    sharc.save_checkpoint(os.path.join(root_dir, "ckpt"), model, opt, extra={"step": 4})
+    return good
+
+
+def _load_state(rank, world, path):
+    import sharc
+
+    model, opt = _sharded_job()
+    extra = sharc.load_checkpoint(path, model, opt)
+    return extra, _local_state(model, opt)
+
+
+def test_a_save_killed_half_way_leaves_the_last_checkpoint_loadable(tmp_path):
+    with pytest.raises(RankFailure):
+        run_ranks(_save_and_die, 2, str(tmp_path), timeout=90)
+    assert os.path.isdir(tmp_path / "ckpt.partial")  # the dead save got that far
+    good = _assemble(run_ranks(_save, 2, str(tmp_path / "reference"), 2))
+    results = run_ranks(_load_state, 2, str(tmp_path / "ckpt"))
+    assert [extra for extra, _ in results] == [{"step": 2}, {"step": 2}]
+    loaded = _assemble([state for _, state in results])
+    _assert_bitwise(loaded[0], good[0], "params")
+    _assert_bitwise(loaded[1], good[1], "optimizer state")
+
+
+# ---- model only, compiled wrappers, wrong architecture ---------------------
+
+def _model_only_round_trip(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    model, _ = _sharded_job()
+    compiled = torch.compile(model, backend="sharc")
+    model_sd, optim_sd = sharc.get_state_dict(compiled)  # no optimizer
+    keys = list(model_sd)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    want = sharc.full_state_dict(model)
+    fresh = make_parity_model(seed=1)
+    sharc.shard(fresh)
+    state = {"model": sharc.get_state_dict(fresh)[0]}
+    dcp.load(state, checkpoint_id=path)
+    sharc.set_state_dict(fresh, model_state_dict=state["model"])
+    return keys, optim_sd, want, sharc.full_state_dict(fresh)
+
+
+def test_model_only_state_dict_of_a_compiled_module(tmp_path):
+    for keys, optim_sd, want, got in run_ranks(_model_only_round_trip, 2, str(tmp_path / "m")):
+        assert optim_sd == {}
+        assert keys == list(make_parity_model().state_dict())  # no "_orig_mod." prefixes
+        _assert_bitwise(got, want, "model")
+
+
+def _load_into_other_architecture(rank, world, path):
+    import sharc
+    from models import ParityGPT, parity_config
+
+    model, opt = _sharded_job()
+    sharc.save_checkpoint(path, model, opt)
+    cfg = parity_config()
+    cfg.n_embd = 32  # same names, other shapes
+    other = ParityGPT(cfg)
+    sharc.shard(other)
+    messages = []
+    try:
+        sharc.load_checkpoint(path, other, make_optimizer(other.parameters()))
+    except ValueError as e:
+        messages.append(str(e))
+    before = sharc.full_state_dict(other)
+    try:  # the same check without the helper, before anything changes
+        sharc.set_state_dict(other, model_state_dict=sharc.get_state_dict(model)[0])
+    except ValueError as e:
+        messages.append(str(e))
+    unchanged = all(torch.equal(v, before[k]) for k, v in sharc.full_state_dict(other).items())
+    return messages, unchanged
+
+
+def test_loading_into_another_architecture_names_the_first_mismatch(tmp_path):
+    for messages, unchanged in run_ranks(_load_into_other_architecture, 2, str(tmp_path / "c")):
+        assert len(messages) == 2, messages
+        assert "'wte.weight' has shape (65, 24) in the checkpoint and (65, 32) in the model" \
+            in messages[0], messages[0]
+        assert "'wte.weight' has shape (65, 24) in the state dict but (65, 32) in the model" \
+            in messages[1], messages[1]
+        assert unchanged
+
+
+# ---- ranks that own nothing, N-D parameters --------------------------------
+
+class _Odd(torch.nn.Module):
+    """A 3-element vector (a rank of 4 owns none of it), a 3-D tensor whose
+    shards cut across rows and planes, and a 1x1 matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.vec = torch.nn.Parameter(torch.randn(3))
+        self.cube = torch.nn.Parameter(torch.randn(2, 3, 5))
+        self.one = torch.nn.Parameter(torch.randn(1, 1))
+
+
+def _save_odd(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    torch.manual_seed(5)
+    model = _Odd()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    sharc.shard(model)
+    dcp.save({"model": sharc.get_state_dict(model)[0]}, checkpoint_id=path)
+    return want
+
+
+def _load_odd(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import sharc
+
+    torch.manual_seed(6)  # other values: the load must replace them
+    model = _Odd()
+    sharc.shard(model)
+    state = {"model": sharc.get_state_dict(model)[0]}
+    dcp.load(state, checkpoint_id=path)
+    sharc.set_state_dict(model, model_state_dict=state["model"])
+    return sharc.full_state_dict(model)
+
+
+def test_parameters_some_ranks_own_nothing_of_reshard(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    want = run_ranks(_save_odd, 4, str(tmp_path / "c"))[0]
+    for got in run_ranks(_load_odd, 3, str(tmp_path / "c")):
+        _assert_bitwise(got, want, "3 ranks")
+    dcp_to_torch_save(str(tmp_path / "c"), str(tmp_path / "plain.pt"))
+    _assert_bitwise(torch.load(tmp_path / "plain.pt")["model"], want, "torch.save")
