@@ -438,3 +438,23 @@ def test_saving_gathers_nothing_and_writes_from_the_shards(tmp_path):
     for gathers, peak, aliased in run_ranks(_views_and_traffic, 2, str(tmp_path / "c")):
         assert gathers == 0 and peak == 0
         assert aliased and all(aliased)
+
+
+# ---- publishing by rename (no process group needed) -------------------------
+
+def test_publish_replaces_a_checkpoint_and_a_lost_one_falls_back(tmp_path):
+    from sharc.checkpoint_io import _existing, _publish
+
+    path = str(tmp_path / "ckpt")
+    for version in ("old", "new"):
+        os.makedirs(path + ".partial")
+        open(os.path.join(path + ".partial", "v"), "w").write(version)
+        _publish(path + ".partial", path)
+    assert open(os.path.join(path, "v")).read() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    # A crash between the two renames leaves only ckpt.previous: loads use it.
+    os.rename(path, path + ".previous")
+    with pytest.warns(UserWarning, match="ckpt is missing; loading .*ckpt.previous"):
+        assert _existing(path) == path + ".previous"
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        _existing(str(tmp_path / "other"))
