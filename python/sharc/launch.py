@@ -46,6 +46,7 @@ own default is 30 minutes for gloo, 10 for NCCL)."""
 
 _WATCH_PERIOD_S = 0.25
 _EXIT_GRACE_S = 30.0
+_SETTLE_S = 2.0  # after a first failure, for the rest to exit or report
 
 
 class LaunchError(RuntimeError):
@@ -277,7 +278,21 @@ class _LocalJob:
                 r.receive()
             failed = [r.rank for r in self.ranks if r.failed()]
             if failed:
-                return failed
+                return self._settle(failed)
+
+    def _settle(self, failed: list[int]) -> list[int]:
+        """A rank that dies silently makes its peers' collectives fail a moment
+        later, and their reports may arrive first: wait briefly for every
+        rank's exit or report before deciding who failed first."""
+        deadline = time.monotonic() + _SETTLE_S
+        while time.monotonic() < deadline:
+            alive = [r.process.sentinel for r in self.ranks if r.process.exitcode is None]
+            if not alive:
+                break
+            multiprocessing.connection.wait(alive, timeout=deadline - time.monotonic())
+        for r in self.ranks:
+            r.receive()
+        return [r.rank for r in self.ranks if r.failed()] or failed
 
     def _stop(self) -> None:
         for r in self.ranks:
@@ -316,7 +331,9 @@ def _launch_error(ranks: list[_Rank], failed: list[int]) -> LaunchError:
                                "raised and was still handling the exception (e.g. in a "
                                "finally block) when the job was stopped")
     failed_exit = [r for r in ranks if r.rank not in reports and r.rank in failed]
-    if reports:
+    # A rank that died without a word (a crash, os._exit) leads: its peers'
+    # reports are then usually only the broken connection to it.
+    if reports and not failed_exit:
         first = min(reports, key=lambda k: reports[k][0])
         error = reports[first][1].rstrip().splitlines()[-1]
         lines = [f"sharc.launch: rank {first} failed first ({error}); all {len(ranks)} ranks "
