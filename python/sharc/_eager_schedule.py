@@ -59,17 +59,17 @@ _GATHER_TAG = "sharc_gathered_param"
 
 
 def _gathered_origin(t: torch.Tensor) -> ShardedParamRef | None:
-    """The parameter `t` was derived from by views, or by views of one cast or
-    copy of the whole gathered parameter (what autocast saves for backward);
-    None for anything else."""
+    """The parameter `t` was derived from by views of one cast or copy of the
+    whole gathered parameter (what autocast saves for backward); None for
+    anything else. (Views of the parameter itself share its storage and are
+    recognised by that.)"""
     node = t.grad_fn
     while node is not None and type(node).__name__ in _VIEW_NODES:
         node = node.next_functions[0][0]
-    if node is not None and type(node).__name__ in _COPY_NODES:
-        node = node.next_functions[0][0]  # must be the gather itself: no view before the copy
-    if node is None:
+    if node is None or type(node).__name__ not in _COPY_NODES:
         return None
-    return node.metadata.get(_GATHER_TAG)
+    node = node.next_functions[0][0]  # must be the gather itself: no view before the copy
+    return None if node is None else node.metadata.get(_GATHER_TAG)
 
 
 class GatherUnit:

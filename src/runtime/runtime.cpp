@@ -313,6 +313,7 @@ std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t
   }
   if (pending.work) pending.work->wait();
   at::Tensor out = pending.out.div_(comm_.world_size());
+  if (pending.widths.size() == 1 && !pending.held[0]) return {out.to(pending.dtypes[0])};
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
