@@ -1,17 +1,13 @@
 // torch.classes.sharc.Scheduler: runs sharc's pass pipeline (sharc/compiler/pipeline.h)
 // over the IR text the Python FX bridge produces, and returns the schedule.
 //
-// Two entry points, one pipeline run:
 //   schedule_nodes(ir_text, gather_bucket_bytes=, reduce_bucket_bytes=,
 //                  disabled_passes=, trace=)
 //     -> (scheduled IR text,
 //         nodes: [(kind, outputs, operands, params)],
 //         passes: [(pass, rewrites, skipped)],
 //         trace: [(pass, "before" | "after", IR text)])
-//   with every list a list (value names without '%', parameter ids as ints);
-//   schedule(ir_text, gather_bucket_bytes, reduce_bucket_bytes, disabled, trace)
-//     -> the older form with comma-joined fields, kept until
-//        python/sharc/_compile/apply.py reads structured nodes.
+//   with every list a list (value names without '%', parameter ids as ints).
 
 #include <string>
 #include <tuple>
@@ -83,42 +79,6 @@ Scheduled schedule_nodes(std::string ir_text, int64_t gather_bucket_bytes,
   return {ir::print(run.graph), nodes, passes, run.steps};
 }
 
-// ---------------------------------------------------------------- schedule
-
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const std::string& item : items) out += (out.empty() ? "" : ",") + item;
-  return out;
-}
-
-// One scheduled node as apply.py reads it today: [kind, outputs, operands,
-// params], lists comma-separated; operands are "%value" or "@param".
-std::vector<std::string> encode(const ir::Node& n) {
-  std::vector<std::string> operands, params;
-  for (const ir::Operand& o : n.operands) {
-    operands.push_back(o.is_param() ? "@" + std::to_string(*o.param) : "%" + o.value);
-  }
-  for (int64_t p : n.params) params.push_back(std::to_string(p));
-  return {ir::to_string(n.kind), join(n.outputs), join(operands), join(params)};
-}
-
-using Schedule = std::tuple<std::string, std::vector<std::vector<std::string>>,
-                            std::vector<std::string>>;
-
-// Returns (scheduled IR text, its nodes encoded as above, and when `trace` is
-// set one "pass\nbefore|after\nIR" entry per printed step). Throws
-// sharc::Error on bad IR or a violated rule.
-Schedule schedule(std::string ir_text, int64_t gather_bucket_bytes, int64_t reduce_bucket_bytes,
-                  std::vector<std::string> disabled, bool trace) {
-  const Run run =
-      run_pipeline(ir_text, {gather_bucket_bytes, reduce_bucket_bytes, std::move(disabled)}, trace);
-  std::vector<std::vector<std::string>> nodes;
-  for (const ir::Node& n : run.graph.nodes) nodes.push_back(encode(n));
-  std::vector<std::string> steps;
-  for (const auto& [pass, when, text] : run.steps) steps.push_back(pass + "\n" + when + "\n" + text);
-  return {ir::print(run.graph), nodes, steps};
-}
-
 class Scheduler : public torch::CustomClassHolder {};
 
 }  // namespace
@@ -134,6 +94,5 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
                    torch::arg("reduce_bucket_bytes") = defaults.reduce_bucket_bytes,
                    torch::arg("disabled_passes") = c10::List<std::string>(),
                    torch::arg("trace") = false})
-      .def_static("schedule", &sharc::schedule)
       .def_static("pass_names", &sharc::ir::pipeline_pass_names);
 }

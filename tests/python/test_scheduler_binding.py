@@ -54,16 +54,6 @@ def test_defaults_are_compile_configs():
     assert defaults == explicit
 
 
-def test_older_entry_point_gives_the_same_schedule():
-    text, nodes, _, _ = Scheduler.schedule_nodes(IR, gather_bucket_bytes=1,
-                                                 reduce_bucket_bytes=1)
-    old_text, old_nodes, steps = Scheduler.schedule(IR, 1, 1, [], False)
-    assert old_text == text and steps == []
-    assert old_nodes == [[kind, ",".join(outs), ",".join(f"%{v}" for v in ops),
-                          ",".join(str(p) for p in params)]
-                         for kind, outs, ops, params in nodes]
-
-
 def test_a_missing_rule_names_the_pass_to_enable():
     with pytest.raises(RuntimeError, match="requires 'gathers inserted', which no earlier "
                                            "pass established; enable 'insert_gather_release'"):

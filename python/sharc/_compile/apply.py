@@ -20,10 +20,6 @@ from sharc._compile.ops import (REDUCE_SCATTER_START, REDUCE_SCATTER_WAIT, RELEA
                                 START_GATHER, WAIT_GATHER, is_tensor)
 
 
-def _split(field: str) -> list[str]:
-    return field.split(",") if field else []
-
-
 class _Rebuild:
     def __init__(self, original: fx.Graph, lowered: LoweredGraph):
         self.original = original
@@ -35,13 +31,12 @@ class _Rebuild:
         self.in_flight: dict[str, list[int]] = {}  # gather value -> its IR params
         self.reducing: tuple[fx.Node, list] | None = None  # reduction not yet waited
 
-    def run(self, nodes: list[list[str]]) -> fx.Graph:
+    def run(self, nodes: list[tuple[str, list[str], list[str], list[int]]]) -> fx.Graph:
         for node in self.original.nodes:
             if node.op == "placeholder":
                 self._bind(node, self.graph.node_copy(node))
         for kind, outputs, operands, params in nodes:
-            handler = getattr(self, f"_{kind}")
-            handler(_split(outputs), _split(operands), [int(p) for p in _split(params)])
+            getattr(self, f"_{kind}")(outputs, operands, params)
         self._wait_reduction()
         output = self.original.output_node()
         self.graph.node_copy(output, lambda n: self.env[n])
@@ -51,8 +46,8 @@ class _Rebuild:
         self.env[original] = new
         self.by_value[original.name] = new
 
-    def _value(self, operand: str) -> fx.Node:
-        return self.by_value[operand[1:]]
+    def _value(self, name: str) -> fx.Node:
+        return self.by_value[name]
 
     def _call(self, target, args, val=None) -> fx.Node:
         node = self.graph.call_function(target, args)
@@ -74,8 +69,7 @@ class _Rebuild:
     def _compute(self, outputs, operands, params) -> None:
         name = outputs[0]
         if name in self.lowered.grad_markers:  # the gradient is its operand
-            self.by_value[name] = self._value(operands[0]) if operands[0][0] == "%" \
-                else self.full[int(operands[0][1:])]
+            self.by_value[name] = self._value(operands[0])
             return
         original = self.lowered.values[name]
         if original.target is operator.getitem and original.args[0] in self.lowered.folded:
@@ -91,7 +85,7 @@ class _Rebuild:
         self.in_flight[outputs[0]] = params
 
     def _wait(self, outputs, operands, params) -> None:  # a wait names its gather only
-        slots, group, pids = self._slots(self.in_flight.pop(operands[0][1:]))
+        slots, group, pids = self._slots(self.in_flight.pop(operands[0]))
         waited = self._call(WAIT_GATHER, (self._value(operands[0]), group, pids),
                             [s.gathers[0].meta.get("val") for s in slots])
         for i, (slot, name) in enumerate(zip(slots, outputs)):
@@ -101,8 +95,7 @@ class _Rebuild:
                 self.env[gather] = full
 
     def _release(self, outputs, operands, params) -> None:
-        after = [self._value(o) for o in operands if o[0] == "%"]
-        after = [n for n in after if is_tensor(n)]
+        after = [n for n in map(self._value, operands) if is_tensor(n)]
         for slot in (self.lowered.slots[p] for p in params):
             self._call(RELEASE, (self.full[slot.ir_id], after, slot.group, slot.pid))
 
@@ -130,6 +123,8 @@ class _Rebuild:
                                             cast.meta.get("val"))
 
 
-def rebuild(original: fx.Graph, lowered: LoweredGraph, nodes: list[list[str]]) -> fx.Graph:
-    """The new graph for `original` scheduled as `nodes` (Scheduler output)."""
+def rebuild(original: fx.Graph, lowered: LoweredGraph,
+            nodes: list[tuple[str, list[str], list[str], list[int]]]) -> fx.Graph:
+    """The new graph for `original` scheduled as `nodes`: Scheduler.schedule_nodes'
+    (kind, outputs, value operands, parameter ids), in order."""
     return _Rebuild(original, lowered).run(nodes)

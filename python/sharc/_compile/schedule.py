@@ -33,19 +33,10 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.G
         trace=config.dump_ir is not None)
     if config.dump_ir is not None:
         _dump(config.dump_ir, kind, lowered.text, passes, trace, text)
-    gm.graph = rebuild(gm.graph, lowered, _comma_joined(nodes))
+    gm.graph = rebuild(gm.graph, lowered, nodes)
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _comma_joined(nodes: list[tuple[str, list[str], list[str], list[int]]]) -> list[list[str]]:
-    """The node form `apply.rebuild` reads until it takes the structured
-    (kind, outputs, operands, params) nodes itself: fields comma-joined,
-    operands prefixed with '%'."""
-    return [[kind, ",".join(outputs), ",".join(f"%{v}" for v in operands),
-             ",".join(str(p) for p in params)]
-            for kind, outputs, operands, params in nodes]
 
 
 def _dump(directory: str, kind: str, before: str, passes: list[tuple[str, int, bool]],
