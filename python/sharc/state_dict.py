@@ -20,9 +20,7 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[name] = value.detach().clone()
             continue
         if ref.pid not in gathered:
-            full = root.runtime.gather(ref.pid)
-            gathered[ref.pid] = full.clone()
-            root.runtime.release(ref.pid)
+            gathered[ref.pid] = root.runtime.read_full(ref.pid)
         out[name] = gathered[ref.pid]
     return out
 

@@ -34,9 +34,7 @@ at::Tensor all_gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
                              const std::string& group, int64_t param) {
   auto runtime = RuntimeTable::instance().get(group);
   runtime->check_shard(param, shard);
-  at::Tensor full = runtime->gather(param).clone();
-  runtime->release(param);
-  return full;
+  return runtime->read_full(param);
 }
 
 at::Tensor gather_meta(const at::Tensor& shard, c10::IntArrayRef shape,

@@ -217,6 +217,12 @@ at::Tensor Runtime::gather(int64_t id) {
   return full_view(p);
 }
 
+at::Tensor Runtime::read_full(int64_t id) {
+  at::Tensor full = gather(id).clone();
+  release(id);
+  return full;
+}
+
 void Runtime::release(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());

@@ -32,6 +32,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("load_full", &sharc::Runtime::load_full)
       .def("start_gather", &sharc::Runtime::start_gather)
       .def("gather", &sharc::Runtime::gather)
+      .def("read_full", &sharc::Runtime::read_full)
       .def("release", &sharc::Runtime::release)
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)

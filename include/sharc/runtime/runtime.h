@@ -99,6 +99,10 @@ class Runtime : public torch::CustomClassHolder {
   /// Blocks until every one of `ids` is gathered, takes one hold on each and
   /// returns their true-shape full views (the compiled path's wait).
   std::vector<at::Tensor> wait_gather(const std::vector<int64_t>& ids);
+  /// Blocking: the full value as a tensor of its own (gather, copy,
+  /// release), for reads outside any schedule: checkpoints, the functional
+  /// all_gather op. Leaves the parameter as it found it.
+  at::Tensor read_full(int64_t id);
   /// Drops one hold; the last one frees the buffer's bytes (not for
   /// persistent parameters). Does not communicate.
   void release(int64_t id);
