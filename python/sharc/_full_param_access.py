@@ -45,10 +45,39 @@ def never_a_frame_of_its_own(fn) -> None:
     skip_code(fn.__code__)
 
 
+def _apply(module: torch.nn.Module, fn, recurse: bool = True):
+    """Module._apply (behind .to(), .float(), .cuda(), ...) on a sharded
+    module: refused before anything changes if it would change a shard's
+    dtype or device, which the runtime registered and gathers into."""
+    for name, ref in module._sharc_refs.items():
+        shard = ref.shard
+        probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+        if probe.dtype != shard.dtype or probe.device != shard.device:
+            raise RuntimeError(
+                f"sharc: cannot move or cast the sharded parameter '{ref.fqn}' "
+                f"({shard.dtype}, {shard.device}) to ({probe.dtype}, {probe.device}) after "
+                "sharc.shard(): convert the model before shard(), or compute in a lower "
+                "precision with torch.autocast")
+    return super(type(module), module)._apply(fn, recurse)
+
+
+def refuse_deepcopy(what: str):
+    raise RuntimeError(
+        f"sharc: a sharded module ({what}) cannot be deep-copied: its parameters are shards "
+        "owned by the process group's runtime. Deep-copy the model before sharc.shard(), or "
+        "build a fresh model and load sharc.full_state_dict(model) into it")
+
+
+def _deepcopy(module: torch.nn.Module, memo):
+    refuse_deepcopy(module._sharc_original_class.__name__)
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs = {name: _full_param_property(name) for name in names}
     attrs["_sharc_original_class"] = cls
+    attrs["_apply"] = _apply
+    attrs["__deepcopy__"] = _deepcopy
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
 
 

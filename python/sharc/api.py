@@ -59,6 +59,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         ref = refs_by_param[p]
         sub._parameters[local] = ref.shard
         per_module.setdefault(sub, {})[local] = ref
+    per_module.setdefault(module, {})  # the root too: it refuses deepcopy and casts
     for sub, refs in per_module.items():
         _full_param_access.install(sub, refs, schedule)
     for sub in set(per_module) | {module}:

@@ -300,3 +300,32 @@ def _optimizer_first(rank, world):
 def test_an_optimizer_created_before_shard_is_refused_at_its_first_step():
     for message in run_ranks(_optimizer_first, 2):
         assert "created before sharc.shard()" in message and "'a.weight'" in message
+
+
+# -- dtype and device changes, deep copies after shard() ------------------------------
+def _after_shard_changes(rank, world):
+    import copy
+
+    import sharc
+
+    model, _ = _sharded("eager")
+    errors = {}
+    for name, change in {"double": lambda: model.to(torch.float64),
+                         "bfloat16": lambda: model.bfloat16(),
+                         "deepcopy": lambda: copy.deepcopy(model)}.items():
+        try:
+            change()
+        except RuntimeError as e:
+            errors[name] = str(e)
+    model.to("cpu")  # no change: allowed
+    loss = model(*batch(0, rank, world)).pow(2).mean()  # and nothing was half-converted
+    loss.backward()
+    return errors, {n: p.dtype for n, p in model.named_parameters()}
+
+
+def test_dtype_changes_and_deepcopy_after_shard_are_refused_before_changing_anything():
+    for errors, dtypes in run_ranks(_after_shard_changes, 2):
+        assert "before shard()" in errors["double"] and "torch.float64" in errors["double"]
+        assert "torch.bfloat16" in errors["bfloat16"]
+        assert "deep-" in errors["deepcopy"] and "full_state_dict" in errors["deepcopy"]
+        assert set(dtypes.values()) == {torch.float32}

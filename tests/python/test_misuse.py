@@ -90,6 +90,8 @@ SHARD_CONFIG_CASES = [
     (dict(keep_gathered="fc.weight"), TypeError, "got the string 'fc.weight': write"),
     (dict(keep_gathered=5), TypeError, "keep_gathered must be a tuple of parameter names"),
     (dict(keep_gathered=("w", 3)), TypeError, "(strings), got 3 in it"),
+    (dict(gather_units="moe"), TypeError, "got the string 'moe': write"),
+    (dict(gather_units=("moe", None)), TypeError, "(strings), got None in it"),
     (dict(shard_everything=True), TypeError, "unexpected keyword argument 'shard_everything'"),
 ]
 
