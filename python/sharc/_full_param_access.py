@@ -49,7 +49,7 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
     """Module._apply (behind .to(), .float(), .cuda(), ...) on a sharded
     module: refused before anything changes if it would change a shard's
     dtype or device, which the runtime registered and gathers into."""
-    for name, ref in module._sharc_refs.items():
+    for ref in module._sharc_refs.values():
         shard = ref.shard
         probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
         if probe.dtype != shard.dtype or probe.device != shard.device:

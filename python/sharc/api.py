@@ -65,15 +65,15 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     for sub in set(per_module) | {module}:
         sub.register_forward_pre_hook(schedule.forward_pre_hook)
         sub.register_forward_hook(schedule.forward_hook, always_call=True)
+    root = _ShardedRoot(group, runtime, refs_by_param)
     for _, unit in units:
-        _install_unit(unit, runtime, refs_by_param, schedule)
-    object.__setattr__(module, "_sharc_root", _ShardedRoot(group, runtime, refs_by_param))
+        _install_unit(unit, runtime, root.refs_by_shard, schedule)
+    object.__setattr__(module, "_sharc_root", root)
     return module
 
 
-def _install_unit(unit: torch.nn.Module, runtime, refs_by_param, schedule) -> None:
-    by_shard = {id(ref.shard): ref for ref in refs_by_param.values()}
-    refs = [by_shard[id(shard)] for shard in unit.parameters()]  # shards by now, unique
+def _install_unit(unit: torch.nn.Module, runtime, refs_by_shard, schedule) -> None:
+    refs = [refs_by_shard[id(shard)] for shard in unit.parameters()]  # shards by now, unique
     if not refs:
         return
     for ref in refs:
@@ -148,8 +148,16 @@ class _ShardedRoot:
             ) from None
 
 
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The sharded module under torch.compile's OptimizedModule wrapper(s)."""
+    while hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+        module = module._orig_mod
+    return module
+
+
 def sharded_root(module: torch.nn.Module) -> _ShardedRoot:
-    root = getattr(module, "_sharc_root", None)
+    """What shard() left on `module` (or on the module torch.compile wraps)."""
+    root = getattr(unwrap_compiled(module), "_sharc_root", None)
     if root is None:
         raise RuntimeError("this module is not sharded: call sharc.shard(module) first")
     return root
@@ -165,7 +173,7 @@ def no_sync(module: torch.nn.Module, enabled: bool = True):
     parameter held between micro-batches. Every rank must use it alike.
     A parameter must get a gradient in the synced backward for what it held
     back to be reduced."""
-    runtime = sharded_root(getattr(module, "_orig_mod", module)).runtime
+    runtime = sharded_root(module).runtime
     if enabled:
         runtime.set_gradient_sync(False)
     try:

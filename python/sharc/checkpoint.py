@@ -23,14 +23,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from sharc._sharded_view import copy_into_flat, scalar_view, sharded_view
-from sharc.api import sharded_root
-
-
-def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    """The sharded module under torch.compile's OptimizedModule wrapper(s)."""
-    while hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
-        module = module._orig_mod
-    return module
+from sharc.api import sharded_root, unwrap_compiled
 
 
 def _clean(name: str) -> str:

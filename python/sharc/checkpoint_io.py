@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from sharc.api import sharded_root
-from sharc.checkpoint import get_state_dict, set_state_dict, unwrap_compiled
+from sharc.checkpoint import get_state_dict, set_state_dict
 
 EXTRA_FILE = "extra.json"
 
@@ -43,7 +43,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     counter) is written by rank 0 beside them. Collective. An existing `path`
     is replaced only once the new checkpoint is complete."""
     path = os.fspath(path)
-    group = sharded_root(unwrap_compiled(model)).group
+    group = sharded_root(model).group
     tmp = _partial(path)
     if dist.get_rank(group) == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a save that died
@@ -81,7 +81,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_compatible(path, model_sd)
     state = {"model": model_sd, "optim": optim_sd}
-    group = sharded_root(unwrap_compiled(model)).group
+    group = sharded_root(model).group
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"] if optimizer is not None else None)

@@ -27,7 +27,7 @@ class released_reads_raise(TorchDispatchMode):
         if module is not None:
             from sharc.api import sharded_root
 
-            root = sharded_root(getattr(module, "_orig_mod", module))
+            root = sharded_root(module)
             for ref in root.refs_by_shard.values():
                 storage = root.runtime.padded_base(ref.pid).untyped_storage()
                 self._names[storage._cdata] = ref.fqn

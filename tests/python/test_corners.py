@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import scenario
 from dist_harness import run_ranks
 from models import shard_of
 
@@ -256,7 +255,6 @@ def test_part_of_the_model_compiled():
 
 # -- debug mode names the parameter --------------------------------------------------
 def _kept_weight(rank, world):
-    import sharc
     from sharc.debug import ReleasedParameterRead, released_reads_raise
 
     model, _ = _sharded("eager")
@@ -305,8 +303,6 @@ def test_an_optimizer_created_before_shard_is_refused_at_its_first_step():
 # -- dtype and device changes, deep copies after shard() ------------------------------
 def _after_shard_changes(rank, world):
     import copy
-
-    import sharc
 
     model, _ = _sharded("eager")
     errors = {}
