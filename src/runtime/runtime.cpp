@@ -375,12 +375,19 @@ std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
   SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<at::Tensor> zeros;
+    // What backward held back, taken over as it is; zeros where nothing was.
+    std::vector<at::Tensor> grads;
     for (int64_t id : ids) {
-      const ShardedParam& p = param(id);
-      zeros.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.reduce_dtype)));
+      ShardedParam& p = param(id);
+      if (p.unreduced.defined()) {
+        accounting_.on_unreduced(-static_cast<int64_t>(p.unreduced.nbytes()));
+        grads.push_back(std::move(p.unreduced));
+        p.unreduced = at::Tensor();
+      } else {
+        grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.reduce_dtype)));
+      }
     }
-    start_reduction_locked(ids, zeros, std::vector<bool>(ids.size(), false));
+    start_reduction_locked(ids, grads, std::vector<bool>(ids.size(), false));
   }
   return finish_reduce_scatter(ids);
 }
