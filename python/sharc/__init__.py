@@ -7,12 +7,14 @@ from sharc.clip import clip_grad_norm_
 from sharc.checkpoint import get_state_dict, set_state_dict
 from sharc.checkpoint_io import load_checkpoint, save_checkpoint
 from sharc.config import CompileConfig, ShardConfig
+from sharc.mixed_precision import MixedPrecision
 from sharc.state_dict import full_state_dict, load_full_state_dict
 
 _compile.register()  # torch.compile(model, backend="sharc")
 
 __all__ = [
     "CompileConfig",
+    "MixedPrecision",
     "ShardConfig",
     "clip_grad_norm_",
     "full_state_dict",

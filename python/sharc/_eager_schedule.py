@@ -174,11 +174,8 @@ class EagerSchedule:
     @torch.compiler.disable
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
-        if not self._scopes:
-            full = ref.gather_op()
-            copy = full.clone()
-            ref.runtime.release(ref.pid)
-            return copy
+        if not self._scopes:  # a copy of its own, in the master dtype
+            return ref.all_gather_op()
         scope = self._scopes[-1]
         cached = scope.full.get(ref.pid)
         if cached is not None:

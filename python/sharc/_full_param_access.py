@@ -23,7 +23,7 @@ def _full_param_property(name: str) -> property:
         if torch.compiler.is_compiling():
             # Captured as a functional all-gather; sharc's backend schedules
             # it (see sharc/_compile), any other backend sees a plain value.
-            return ref.all_gather_op()
+            return ref.traced_read()
         return module._sharc_schedule.read(ref)
 
     never_a_frame_of_its_own(get)

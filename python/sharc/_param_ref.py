@@ -16,13 +16,21 @@ class ShardedParamRef:
     fqn: str  # canonical name (the first module path that owns it)
     shape: tuple[int, ...]
     shard: torch.nn.Parameter
+    gather_dtype: torch.dtype  # what forward reads (the shard's dtype without mixed precision)
 
     def gather_op(self) -> torch.Tensor:
-        """The autograd-aware gather: its gradient is a reduce-scatter into
-        the shard."""
+        """The autograd-aware gather, in the gather dtype (the shard cast
+        first): its gradient is a reduce-scatter into the shard."""
         return torch.ops.sharc.gather(self.shard, list(self.shape), self.group_name, self.pid)
 
     def all_gather_op(self) -> torch.Tensor:
-        """The functional gather that compiled graphs capture: a full tensor
-        of its own, gradient reduce-scattered into the shard."""
+        """The functional gather: a full tensor of its own in the shard's
+        dtype, gradient reduce-scattered into the shard."""
         return torch.ops.sharc.all_gather(self.shard, list(self.shape), self.group_name, self.pid)
+
+    def traced_read(self) -> torch.Tensor:
+        """What a compiled graph captures for a read: the functional gather,
+        then the cast to the gather dtype, which sharc's cast_before_gather
+        pass folds into the gather (any other backend sees plain values)."""
+        full = self.all_gather_op()
+        return full if full.dtype == self.gather_dtype else full.to(self.gather_dtype)

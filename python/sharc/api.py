@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from sharc import _full_param_access, _validate
+from sharc import _full_param_access, _validate, mixed_precision
 from sharc._eager_schedule import EagerSchedule, GatherUnit
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -47,8 +47,9 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
 
     _validate.check_keep_gathered(config.keep_gathered, named)
     units = _validate.resolve_gather_units(module, config.gather_units)
+    dtypes = {p: mixed_precision.param_dtypes(fqn, p, config.mixed_precision) for fqn, p in named}
     runtime = _runtime(group)
-    refs_by_param = _register(runtime, group.group_name, named)
+    refs_by_param = _register(runtime, group.group_name, named, dtypes)
     _install_optimizer_check()
     for fqn, p in named:
         if fqn in config.keep_gathered:
@@ -68,6 +69,8 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     root = _ShardedRoot(group, runtime, refs_by_param)
     for _, unit in units:
         _install_unit(unit, runtime, root.refs_by_shard, schedule)
+    if config.mixed_precision is not None:
+        mixed_precision.install_casts(module, config.mixed_precision)
     object.__setattr__(module, "_sharc_root", root)
     return module
 
@@ -110,16 +113,17 @@ def _install_optimizer_check() -> None:
     register_optimizer_step_pre_hook(_check_optimizer_params)
 
 
-def _register(runtime, group_name: str, named) -> dict[torch.nn.Parameter, ShardedParamRef]:
+def _register(runtime, group_name: str, named,
+              dtypes) -> dict[torch.nn.Parameter, ShardedParamRef]:
     refs = {}
     for fqn, p in named:
         pid = runtime.register_param(p.detach(), fqn)
         shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
-        if p.requires_grad and p.grad_dtype != p.dtype:
-            # Gradients reduced and accumulated in the dtype the user asked for.
-            shard.grad_dtype = p.grad_dtype
-            runtime.set_reduce_dtype(pid, p.grad_dtype)
-        refs[p] = ShardedParamRef(runtime, group_name, pid, fqn, tuple(p.shape), shard)
+        d = dtypes[p]
+        if d.grad != p.dtype:
+            shard.grad_dtype = d.grad  # accumulated in the dtype the user asked for
+        runtime.set_spec(pid, d.gather, d.reduce, d.grad)
+        refs[p] = ShardedParamRef(runtime, group_name, pid, fqn, tuple(p.shape), shard, d.gather)
         setattr(p, _REPLACED, fqn)  # the original no longer trains
     return refs
 

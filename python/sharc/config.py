@@ -3,6 +3,8 @@
 import os
 from dataclasses import dataclass
 
+from sharc.mixed_precision import MixedPrecision
+
 
 @dataclass(kw_only=True, slots=True)
 class ShardConfig:
@@ -27,7 +29,16 @@ class ShardConfig:
     (or any module whose submodules run on some ranks only) here: see
     docs/design/eager-schedule.md, "Ranks that take different paths"."""
 
+    mixed_precision: MixedPrecision | None = None
+    """Gather parameters and reduce gradients in smaller floating dtypes
+    while the shards (and the optimizer state) keep the model's dtype; see
+    `sharc.MixedPrecision`."""
+
     def __post_init__(self) -> None:
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision,
+                                                               MixedPrecision):
+            raise TypeError("ShardConfig.mixed_precision must be a sharc.MixedPrecision or "
+                            f"None, got {self.mixed_precision!r}")
         self.keep_gathered = _names("ShardConfig.keep_gathered", self.keep_gathered,
                                     "parameter names")
         self.gather_units = _names("ShardConfig.gather_units", self.gather_units,

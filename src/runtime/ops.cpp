@@ -2,16 +2,20 @@
 // by side.
 //
 //   gather(shard, shape, group, param) -> full
-//       Blocking all-gather of one parameter; takes one hold on its buffer and
-//       returns the true-shape full tensor (an alias of the runtime's buffer).
-//       Its gradient is reduce_scatter of the full gradient.
+//       Blocking all-gather of one parameter in its gather dtype (the shard
+//       cast first, see GatherSpec); takes one hold on its buffer and returns
+//       the true-shape full tensor (an alias of the runtime's buffer). Its
+//       gradient is reduce_scatter of the full gradient.
 //   all_gather(shard, shape, group, param) -> full
-//       The functional form captured by torch.compile: the full tensor is a
-//       copy of its own, so any compiler may treat it as an ordinary value.
+//       The functional form captured by torch.compile, in the master dtype:
+//       the full tensor is a copy of its own, so any compiler may treat it as
+//       an ordinary value (a cast that follows is a compute node the
+//       cast_before_gather pass may fold into the gather).
 //       sharc's backend replaces it with start_gather / wait_gather / release
 //       (schedule_ops.cpp) placed by its passes. Gradient: reduce_scatter.
 //   reduce_scatter(grad, group, param) -> shard_grad
-//       Sum over the group, divided by the world size, this rank's flat slice.
+//       Sum over the group in the reduce dtype, divided by the world size,
+//       this rank's flat slice in the grad dtype.
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -39,8 +43,12 @@ at::Tensor all_gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
 
 at::Tensor gather_meta(const at::Tensor& shard, c10::IntArrayRef shape,
                        const std::string& group, int64_t param) {
-  (void)group;
-  (void)param;
+  const GatherSpec spec = RuntimeTable::instance().get(group)->spec(param);
+  return at::empty(shape, shard.options().device(c10::kMeta).dtype(spec.gather_dtype));
+}
+
+at::Tensor all_gather_meta(const at::Tensor& shard, c10::IntArrayRef shape,
+                           const std::string& group, int64_t param) {
   return at::empty(shape, shard.options().device(c10::kMeta));
 }
 
@@ -53,7 +61,7 @@ at::Tensor reduce_scatter_meta(const at::Tensor& grad, const std::string& group,
                                int64_t param) {
   auto runtime = RuntimeTable::instance().get(group);
   return at::empty({runtime->layout(param).shard_numel()},
-                   grad.options().device(c10::kMeta).dtype(runtime->reduce_dtype(param)));
+                   grad.options().device(c10::kMeta).dtype(runtime->spec(param).grad_dtype));
 }
 
 at::Tensor call_reduce_scatter(const at::Tensor& grad, const std::string& group,
@@ -124,7 +132,7 @@ TORCH_LIBRARY_IMPL(sharc, CUDA, m) {
 
 TORCH_LIBRARY_IMPL(sharc, Meta, m) {
   m.impl("gather", sharc::gather_meta);
-  m.impl("all_gather", sharc::gather_meta);
+  m.impl("all_gather", sharc::all_gather_meta);
   m.impl("reduce_scatter", sharc::reduce_scatter_meta);
 }
 

@@ -17,7 +17,7 @@ ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
       layout(layout_),
       shard(std::move(shard_)),
       state(name),
-      reduce_dtype(shard.scalar_type()) {
+      spec(GatherSpec::of(shard.scalar_type())) {
   base = at::empty({layout.padded_numel()}, shard.options());
   c10::Storage storage = base.storage();
   free_storage(storage);
@@ -29,7 +29,14 @@ bool ShardedParam::is_stale() const {
 }
 
 int64_t ShardedParam::full_bytes() const {
-  return layout.padded_numel() * static_cast<int64_t>(shard.element_size());
+  return layout.padded_numel() * static_cast<int64_t>(base.element_size());
+}
+
+void ShardedParam::retype_base(c10::ScalarType dtype) {
+  if (base.scalar_type() == dtype) return;
+  at::Tensor retyped = at::empty({0}, base.options().dtype(dtype));
+  retyped.set_(base.storage(), 0, {layout.padded_numel()}, {1});
+  base = retyped;
 }
 
 Runtime::Runtime(const std::string& group_name) : comm_(group_name) {}
@@ -79,116 +86,98 @@ ShardedParam& Runtime::param(int64_t id) {
   return *params_[id];
 }
 
-void Runtime::start_gather_locked(ShardedParam& p) {
-  RECORD_FUNCTION("sharc::all_gather", std::vector<c10::IValue>());
+bool Runtime::needs_gather(const ShardedParam& p, c10::ScalarType dtype) const {
+  const ParamState s = p.state.state();
+  if (s == ParamState::Sharded || s == ParamState::Released) return true;
+  const bool other_dtype = p.base.scalar_type() != dtype;
+  if (s == ParamState::Gathered && p.state.holds() == 0) return other_dtype || p.is_stale();
+  SHARC_CHECK(!other_dtype, "sharc: '", p.name, "' is requested in ", dtype, " while it is ",
+              s == ParamState::Gathering ? "being gathered" : "held", " in ",
+              p.base.scalar_type(), "; one parameter is gathered in one dtype at a time "
+              "(read it in one dtype within a forward, or cast the gathered value)");
+  return false;
+}
+
+void Runtime::claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype) {
+  c10::Storage storage = p.base.storage();
   if (p.state.state() == ParamState::Gathered) {
-    p.state.begin_refresh();  // persistent: gather into the buffer it keeps
+    p.state.begin_refresh();  // persistent: gathered again into the buffer it keeps
+    if (p.base.scalar_type() == dtype) return;
+    accounting_.on_freed(p.full_bytes());  // ... unless the buffer's dtype changes
+    free_storage(storage);
   } else {
     p.state.begin_gather();
-    c10::Storage storage = p.base.storage();
-    allocate_storage(storage, p.full_bytes());
-    accounting_.on_gathered(p.full_bytes());
   }
-  p.gathered_version = p.shard._version();
-  if (p.layout.padded_numel() == 0) {
-    return;  // zero-size parameter: nothing to communicate
-  }
-  at::Tensor input = p.shard.detach();
-  p.pending = comm_.all_gather(p.base, input);
-  const int64_t shard_bytes = p.full_bytes() / comm_.world_size();
-  accounting_.on_allgather_sent((comm_.world_size() - 1) * shard_bytes);
+  p.retype_base(dtype);
+  allocate_storage(storage, p.full_bytes());
+  accounting_.on_gathered(p.full_bytes());
 }
 
-void Runtime::finish_gather_locked(ShardedParam& p) {
-  if (p.bucket) {
-    std::shared_ptr<BucketGather> bucket = p.bucket;  // outlives the resets below
-    finish_bucket_locked(*bucket);
-    return;
-  }
-  if (p.pending) {
-    RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
-    p.pending->wait();
-    p.pending.reset();
-  }
-  p.state.finish_gather();
-}
-
-void Runtime::start_bucket_locked(const std::vector<int64_t>& ids) {
-  RECORD_FUNCTION("sharc::all_gather_bucket", std::vector<c10::IValue>());
-  auto bucket = std::make_shared<BucketGather>();
-  std::vector<at::Tensor> shards;
+// The cast happens here, on the shard: the collective sends `dtype`'s bytes.
+void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype) {
+  RECORD_FUNCTION("sharc::all_gather", std::vector<c10::IValue>());
+  auto gather = std::make_shared<GatherInFlight>();
+  std::vector<at::Tensor> inputs;
   int64_t row = 0;
   for (int64_t id : ids) {
-    ShardedParam* p = &param(id);
-    p->state.begin_gather();
-    p->gathered_version = p->shard._version();
-    c10::Storage storage = p->base.storage();
-    allocate_storage(storage, p->full_bytes());
-    accounting_.on_gathered(p->full_bytes());
-    bucket->offsets.push_back(row);
-    row += p->layout.shard_numel();
-    shards.push_back(p->shard.detach());
-    p->bucket = bucket;
+    ShardedParam& p = param(id);
+    claim_buffer_locked(p, dtype);
+    p.gathered_version = p.shard._version();
+    p.pending = gather;
+    gather->offsets.push_back(row);
+    row += p.layout.shard_numel();
+    inputs.push_back(p.shard.detach().to(dtype));
   }
-  bucket->ids = ids;
-  at::Tensor input = at::cat(shards);
-  bucket->staging = at::empty({comm_.world_size() * row}, input.options());
-  accounting_.on_gathered(bucket->staging.nbytes());
-  bucket->work = comm_.all_gather(bucket->staging, input);
+  gather->ids = ids;
+  if (row == 0) return;  // zero-size parameters only: nothing to send
+  at::Tensor input = inputs.size() == 1 ? inputs[0] : at::cat(inputs);
+  at::Tensor output = param(ids[0]).base;
+  if (ids.size() > 1) {
+    gather->staging = at::empty({comm_.world_size() * row}, input.options());
+    accounting_.on_gathered(gather->staging.nbytes());
+    output = gather->staging;
+  }
+  gather->work = comm_.all_gather(output, input);
   accounting_.on_allgather_sent((comm_.world_size() - 1) * static_cast<int64_t>(input.nbytes()));
 }
 
-void Runtime::finish_bucket_locked(BucketGather& bucket) {
-  RECORD_FUNCTION("sharc::wait_gather_bucket", std::vector<c10::IValue>());
-  bucket.work->wait();
+void Runtime::finish_gather_locked(GatherInFlight& gather) {
+  RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
+  if (gather.work) gather.work->wait();
+  gather.work.reset();
   const int64_t world = comm_.world_size();
-  at::Tensor rows = bucket.staging.view({world, -1});
-  for (size_t i = 0; i < bucket.ids.size(); ++i) {
-    ShardedParam& p = param(bucket.ids[i]);
-    const int64_t width = p.layout.shard_numel();
-    p.base.view({world, width}).copy_(rows.narrow(1, bucket.offsets[i], width));
+  for (size_t i = 0; i < gather.ids.size(); ++i) {
+    ShardedParam& p = param(gather.ids[i]);
+    if (gather.staging.defined()) {
+      const int64_t width = p.layout.shard_numel();
+      at::Tensor rows = gather.staging.view({world, -1});
+      p.base.view({world, width}).copy_(rows.narrow(1, gather.offsets[i], width));
+    }
     p.state.finish_gather();
-    p.bucket.reset();
+    p.pending.reset();
   }
-  accounting_.on_freed(bucket.staging.nbytes());
-  bucket.staging = at::Tensor();
-  bucket.work.reset();
-}
-
-void Runtime::prepare_locked(ShardedParam& p) {
-  const ParamState s = p.state.state();
-  if (s == ParamState::Sharded || s == ParamState::Released || p.is_stale()) {
-    start_gather_locked(p);
+  if (gather.staging.defined()) {
+    accounting_.on_freed(gather.staging.nbytes());
+    gather.staging = at::Tensor();
   }
 }
 
-void Runtime::start_gather(int64_t id) {
+void Runtime::start_gather_bucket(const std::vector<int64_t>& ids,
+                                  std::optional<c10::ScalarType> dtype) {
   std::lock_guard<std::mutex> lock(mutex_);
-  prepare_locked(param(id));
-}
-
-void Runtime::start_gather_bucket(const std::vector<int64_t>& ids) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<int64_t> idle;  // neither gathered nor in flight
+  // Those needing a gather, grouped by dtype in first-seen order: a
+  // collective carries one dtype.
+  std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> by_dtype;
   for (int64_t id : ids) {
     const ShardedParam& p = param(id);
-    const ParamState s = p.state.state();
-    if (s == ParamState::Sharded || s == ParamState::Released) idle.push_back(id);
+    const c10::ScalarType want = dtype.value_or(p.spec.gather_dtype);
+    if (!needs_gather(p, want)) continue;
+    auto group = std::find_if(by_dtype.begin(), by_dtype.end(),
+                              [&](const auto& g) { return g.first == want; });
+    if (group == by_dtype.end()) group = by_dtype.insert(by_dtype.end(), {want, {}});
+    group->second.push_back(id);
   }
-  for (int64_t id : ids) {
-    if (param(id).is_stale()) start_gather_locked(param(id));  // persistent, refreshed
-  }
-  const at::TensorOptions first =
-      idle.empty() ? at::TensorOptions() : param(idle[0]).shard.options();
-  const bool fusable = idle.size() > 1 &&
-      std::all_of(idle.begin(), idle.end(), [&](int64_t id) {
-        return param(id).shard.options().type_equal(first);
-      });
-  if (fusable) {
-    start_bucket_locked(idle);
-    return;
-  }
-  for (int64_t id : idle) start_gather_locked(param(id));
+  for (const auto& [want, group] : by_dtype) start_gather_locked(group, want);
 }
 
 std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {
@@ -199,7 +188,10 @@ std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {
     SHARC_CHECK(p.state.state() != ParamState::Sharded &&
                 p.state.state() != ParamState::Released,
                 "sharc: waiting on '", p.name, "', whose gather was never started");
-    if (p.state.state() == ParamState::Gathering) finish_gather_locked(p);
+    if (p.state.state() == ParamState::Gathering) {
+      std::shared_ptr<GatherInFlight> gather = p.pending;  // outlives the resets inside
+      finish_gather_locked(*gather);
+    }
     p.state.acquire();
     fulls.push_back(full_view(p));
   }
@@ -207,20 +199,29 @@ std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {
 }
 
 at::Tensor Runtime::gather(int64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  ShardedParam& p = param(id);
-  prepare_locked(p);
-  if (p.state.state() == ParamState::Gathering) {
-    finish_gather_locked(p);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ShardedParam& p = param(id);
+    if (needs_gather(p, p.spec.gather_dtype)) start_gather_locked({id}, p.spec.gather_dtype);
   }
-  p.state.acquire();
-  return full_view(p);
+  return wait_gather({id})[0];
 }
 
 at::Tensor Runtime::read_full(int64_t id) {
-  at::Tensor full = gather(id).clone();
-  release(id);
-  return full;
+  std::lock_guard<std::mutex> lock(mutex_);
+  RECORD_FUNCTION("sharc::read_full", std::vector<c10::IValue>());
+  ShardedParam& p = param(id);
+  at::Tensor padded = at::empty({p.layout.padded_numel()}, p.shard.options());
+  if (padded.numel() > 0) {
+    accounting_.on_gathered(padded.nbytes());
+    at::Tensor input = p.shard.detach();
+    comm_.all_gather(padded, input)->wait();
+    accounting_.on_allgather_sent((comm_.world_size() - 1) *
+                                  static_cast<int64_t>(p.shard.nbytes()));
+    accounting_.on_freed(padded.nbytes());
+  }
+  // The true-shape value, owning its storage (the padding dropped).
+  return padded.narrow(0, 0, p.layout.numel).clone().view(p.shape);
 }
 
 void Runtime::release(int64_t id) {
@@ -272,14 +273,16 @@ void Runtime::start_reduction_locked(const std::vector<int64_t>& ids,
   const int64_t world = comm_.world_size();
   PendingReduction pending;
   // One collective in the widest reduce dtype of the bucket; each result is
-  // cast back to its parameter's reduce dtype when waited.
-  c10::ScalarType bucket_dtype = param(ids[0]).reduce_dtype;
-  for (int64_t id : ids) bucket_dtype = c10::promoteTypes(bucket_dtype, param(id).reduce_dtype);
+  // cast to its parameter's grad dtype when waited.
+  c10::ScalarType bucket_dtype = param(ids[0]).spec.reduce_dtype;
+  for (int64_t id : ids) {
+    bucket_dtype = c10::promoteTypes(bucket_dtype, param(id).spec.reduce_dtype);
+  }
   std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
   for (size_t i = 0; i < ids.size(); ++i) {
     ShardedParam& p = param(ids[i]);
     pending.widths.push_back(p.layout.shard_numel());
-    pending.dtypes.push_back(p.reduce_dtype);
+    pending.dtypes.push_back(p.spec.grad_dtype);
     pending.held.push_back(held[i]);
     if (held[i]) {
       hold_unreduced(p, full_grads[i]);
@@ -351,7 +354,10 @@ void Runtime::hold_unreduced(ShardedParam& p, const at::Tensor& grad) {
   SHARC_CHECK(grad.numel() == p.layout.numel, "sharc: gradient of '", p.name, "' has ",
               grad.numel(), " elements, expected ", p.layout.numel);
   at::NoGradGuard no_grad;
-  at::Tensor flat = grad.detach().reshape({-1}).to(p.reduce_dtype);
+  // Summed in the wider of the reduce and grad dtypes: micro-batches add up
+  // before any rounding to a small reduce dtype.
+  const c10::ScalarType dtype = c10::promoteTypes(p.spec.reduce_dtype, p.spec.grad_dtype);
+  at::Tensor flat = grad.detach().reshape({-1}).to(dtype);
   if (p.unreduced.defined()) {
     p.unreduced.add_(flat);
     return;
@@ -384,7 +390,7 @@ std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
         grads.push_back(std::move(p.unreduced));
         p.unreduced = at::Tensor();
       } else {
-        grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.reduce_dtype)));
+        grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.spec.reduce_dtype)));
       }
     }
     start_reduction_locked(ids, grads, std::vector<bool>(ids.size(), false));
@@ -410,17 +416,21 @@ void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
               "shard the module again on the current group");
 }
 
-void Runtime::set_reduce_dtype(int64_t id, c10::ScalarType dtype) {
+void Runtime::set_spec(int64_t id, c10::ScalarType gather_dtype, c10::ScalarType reduce_dtype,
+                       c10::ScalarType grad_dtype) {
   std::lock_guard<std::mutex> lock(mutex_);
   ShardedParam& p = param(id);
-  SHARC_CHECK(at::isFloatingType(dtype) || at::isComplexType(dtype), "sharc: '", p.name,
-              "' cannot reduce its gradient in ", dtype, ": use a floating-point dtype");
-  p.reduce_dtype = dtype;
+  const GatherSpec spec{gather_dtype, reduce_dtype, grad_dtype};
+  spec.check(p.shard.scalar_type(), p.name);
+  SHARC_CHECK(p.state.state() == ParamState::Sharded || p.state.state() == ParamState::Released,
+              "sharc: cannot change how '", p.name, "' is gathered while it is ",
+              to_string(p.state.state()));
+  p.spec = spec;
 }
 
-c10::ScalarType Runtime::reduce_dtype(int64_t id) {
+GatherSpec Runtime::spec(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return param(id).reduce_dtype;
+  return param(id).spec;
 }
 
 void Runtime::set_persistent(int64_t id, bool persistent) {
@@ -433,10 +443,10 @@ at::Tensor Runtime::padded_base(int64_t id) {
   return param(id).base;
 }
 
-at::Tensor Runtime::meta_full(int64_t id) {
+at::Tensor Runtime::meta_full(int64_t id, c10::ScalarType dtype) {
   std::lock_guard<std::mutex> lock(mutex_);
   const ShardedParam& p = param(id);
-  return at::empty(p.shape, p.shard.options().device(c10::kMeta));
+  return at::empty(p.shape, p.shard.options().device(c10::kMeta).dtype(dtype));
 }
 
 std::string Runtime::state(int64_t id) {

@@ -30,17 +30,23 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("register_param", &sharc::Runtime::register_param)
       .def("shard", &sharc::Runtime::shard)
       .def("load_full", &sharc::Runtime::load_full)
-      .def("start_gather", &sharc::Runtime::start_gather)
       .def("gather", &sharc::Runtime::gather)
       .def("read_full", &sharc::Runtime::read_full)
       .def("release", &sharc::Runtime::release)
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
-      .def("set_reduce_dtype", &sharc::Runtime::set_reduce_dtype)
+      .def("set_spec", &sharc::Runtime::set_spec)
+      .def("gather_dtype",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t id) {
+             return self->spec(id).gather_dtype;
+           })
       .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
       .def("flush_unit", &sharc::Runtime::flush_unit)
-      .def("start_gather_bucket", &sharc::Runtime::start_gather_bucket)
+      .def("start_gather_bucket",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, std::vector<int64_t> ids) {
+             self->start_gather_bucket(ids);  // each in its gather dtype
+           })
       .def("wait_gather", &sharc::Runtime::wait_gather)
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)

@@ -1,12 +1,13 @@
 // torch.ops.sharc.* operators that sharc's compile backend places in FX graphs
 // as its passes decide (the eager path never uses them):
 //
-//   start_gather(shards, group, params) -> token
-//       Non-blocking all-gather of `params` (one collective for a bucket).
-//       The shards are inputs only so that compilers see the dependence.
-//   wait_gather(token, group, params) -> fulls
+//   start_gather(shards, group, params, dtype) -> token
+//       Non-blocking all-gather of `params` in `dtype` (one collective for a
+//       bucket; the shards are cast first when `dtype` is smaller). The
+//       shards are inputs only so that compilers see the dependence.
+//   wait_gather(token, group, params, dtype) -> fulls
 //       Blocks until gathered, takes one hold per parameter and returns the
-//       true-shape full tensors, aliases of the runtime's buffers.
+//       true-shape full tensors in `dtype`, aliases of the runtime's buffers.
 //   release(full, after, group, param) -> ()
 //       Drops the hold; the last one frees the buffer's bytes in place, so
 //       references a compiler keeps until its graph ends hold no memory.
@@ -29,30 +30,35 @@ namespace sharc {
 namespace {
 
 at::Tensor start_gather_kernel(at::TensorList shards, const std::string& group,
-                               c10::IntArrayRef params) {
+                               c10::IntArrayRef params, c10::ScalarType dtype) {
   auto runtime = RuntimeTable::instance().get(group);
   SHARC_CHECK(shards.size() == params.size() && !params.empty(), "sharc: start_gather got ",
               shards.size(), " shards for ", params.size(), " parameters");
   for (size_t i = 0; i < params.size(); ++i) runtime->check_shard(params[i], shards[i]);
-  runtime->start_gather_bucket(params.vec());
+  runtime->start_gather_bucket(params.vec(), dtype);
   return at::empty({0}, shards[0].options());
 }
 
 at::Tensor start_gather_meta(at::TensorList shards, const std::string& group,
-                             c10::IntArrayRef params) {
+                             c10::IntArrayRef params, c10::ScalarType dtype) {
   return at::empty({0}, shards[0].options().device(c10::kMeta));
 }
 
 std::vector<at::Tensor> wait_gather_kernel(const at::Tensor& token, const std::string& group,
-                                           c10::IntArrayRef params) {
-  return RuntimeTable::instance().get(group)->wait_gather(params.vec());
+                                           c10::IntArrayRef params, c10::ScalarType dtype) {
+  std::vector<at::Tensor> fulls = RuntimeTable::instance().get(group)->wait_gather(params.vec());
+  for (const at::Tensor& full : fulls) {
+    SHARC_CHECK(full.scalar_type() == dtype, "sharc: a compiled graph waited for a ", dtype,
+                " gather and got ", full.scalar_type(), "; this is a sharc bug");
+  }
+  return fulls;
 }
 
 std::vector<at::Tensor> wait_gather_meta(const at::Tensor& token, const std::string& group,
-                                         c10::IntArrayRef params) {
+                                         c10::IntArrayRef params, c10::ScalarType dtype) {
   auto runtime = RuntimeTable::instance().get(group);
   std::vector<at::Tensor> fulls;
-  for (int64_t id : params) fulls.push_back(runtime->meta_full(id));
+  for (int64_t id : params) fulls.push_back(runtime->meta_full(id, dtype));
   return fulls;
 }
 
@@ -88,7 +94,7 @@ std::vector<at::Tensor> reduce_scatter_wait_meta(const at::Tensor& token,
   std::vector<at::Tensor> shards;
   for (int64_t id : params) {
     const int64_t numel = runtime->layout(id).shard_numel();
-    shards.push_back(at::empty({numel}, token.options().dtype(runtime->reduce_dtype(id))));
+    shards.push_back(at::empty({numel}, token.options().dtype(runtime->spec(id).grad_dtype)));
   }
   return shards;
 }
@@ -97,8 +103,8 @@ std::vector<at::Tensor> reduce_scatter_wait_meta(const at::Tensor& token,
 }  // namespace sharc
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
-  m.def("start_gather(Tensor[] shards, str group, int[] params) -> Tensor");
-  m.def("wait_gather(Tensor token, str group, int[] params) -> Tensor[]");
+  m.def("start_gather(Tensor[] shards, str group, int[] params, ScalarType dtype) -> Tensor");
+  m.def("wait_gather(Tensor token, str group, int[] params, ScalarType dtype) -> Tensor[]");
   m.def("release(Tensor full, Tensor[] after, str group, int param) -> ()");
   m.def("reduce_scatter_start(Tensor[] grads, str group, int[] params) -> Tensor");
   m.def("reduce_scatter_wait(Tensor token, str group, int[] params) -> Tensor[]");

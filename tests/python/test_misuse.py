@@ -92,6 +92,8 @@ SHARD_CONFIG_CASES = [
     (dict(keep_gathered=("w", 3)), TypeError, "(strings), got 3 in it"),
     (dict(gather_units="moe"), TypeError, "got the string 'moe': write"),
     (dict(gather_units=("moe", None)), TypeError, "(strings), got None in it"),
+    (dict(mixed_precision="bf16"), TypeError,
+     "ShardConfig.mixed_precision must be a sharc.MixedPrecision"),
     (dict(shard_everything=True), TypeError, "unexpected keyword argument 'shard_everything'"),
 ]
 

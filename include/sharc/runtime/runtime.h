@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,15 +21,18 @@
 #include "sharc/runtime/communicator.h"
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
+#include "sharc/runtime/gather_spec.h"
 
 namespace sharc {
 
-/// One all-gather collective serving several parameters (a bucket): their
-/// shards are concatenated, gathered into one rank-major staging buffer and
-/// copied out into each parameter's own buffer when the bucket is waited.
-struct BucketGather {
-  c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor staging;            ///< world_size rows of the concatenated shards
+/// One all-gather collective in flight, serving one parameter or several
+/// (a bucket, all in one dtype). A single parameter is gathered straight into
+/// its own buffer; a bucket's cast shards are concatenated, gathered into
+/// one rank-major staging buffer and copied out into each parameter's
+/// buffer when waited.
+struct GatherInFlight {
+  c10::intrusive_ptr<c10d::Work> work;  ///< null when there was nothing to send
+  at::Tensor staging;            ///< buckets only: world_size rows of the shards
   std::vector<int64_t> ids;      ///< parameters served, in staging order
   std::vector<int64_t> offsets;  ///< each one's column offset within a row
 };
@@ -53,14 +57,13 @@ struct ShardedParam {
   std::vector<int64_t> shape;  ///< true (unsharded) shape
   ShardLayout layout;
   at::Tensor shard;  ///< this rank's flat shard (the user's nn.Parameter)
-  at::Tensor base;   ///< padded flat buffer; its storage holds 0 bytes unless gathered
+  /// Padded flat buffer in the dtype of its last gather; one storage for the
+  /// parameter's life, holding 0 bytes unless gathered.
+  at::Tensor base;
   ParamStateMachine state;
-  c10::intrusive_ptr<c10d::Work> pending;  ///< the gather in flight, if any
-  std::shared_ptr<BucketGather> bucket;     ///< or the bucket it travels in
+  std::shared_ptr<GatherInFlight> pending;  ///< the gather in flight, if any
   int64_t gathered_version = -1;  ///< the shard's version counter when gathered
-  /// The dtype its gradient is reduce-scattered and delivered in (the
-  /// parameter's grad_dtype; by default its own dtype).
-  c10::ScalarType reduce_dtype;
+  GatherSpec spec;
   /// Flat full gradient summed over no_sync micro-batches, not yet reduced.
   at::Tensor unreduced;
   /// In a gather unit: its gradient always waits in `unreduced` until the
@@ -70,7 +73,11 @@ struct ShardedParam {
   /// A persistent parameter kept gathered from a shard that has changed since.
   bool is_stale() const;
 
+  /// Bytes of the padded buffer in its current dtype.
   int64_t full_bytes() const;
+  /// Points `base` at the same storage in `dtype` (the storage's bytes are
+  /// the caller's business).
+  void retype_base(c10::ScalarType dtype);
 };
 
 class Runtime : public torch::CustomClassHolder {
@@ -87,21 +94,23 @@ class Runtime : public torch::CustomClassHolder {
   /// Copies this rank's slice of `full` (the true-shape value) into the shard.
   void load_full(int64_t id, const at::Tensor& full);
 
-  /// Non-blocking: starts the all-gather of a sharded or released parameter
-  /// (or of a persistent one whose shard changed); else does nothing.
-  void start_gather(int64_t id);
-  /// Blocks until the parameter is gathered (starting the gather if none is in
-  /// flight), takes one hold and returns the true-shape full view.
+  /// Blocks until the parameter is gathered in its spec's gather dtype
+  /// (starting the gather if none is in flight), takes one hold and returns
+  /// the true-shape full view.
   at::Tensor gather(int64_t id);
-  /// Non-blocking: starts one all-gather for all of `ids` that are sharded or
-  /// released (others are already gathered or in flight and are skipped).
-  void start_gather_bucket(const std::vector<int64_t>& ids);
+  /// Non-blocking: starts the all-gather of each of `ids` that is sharded or
+  /// released (or persistent with a changed shard or another dtype), in
+  /// `dtype` (default: each one's gather dtype): one collective per dtype.
+  /// Others are gathered or in flight already and are skipped.
+  void start_gather_bucket(const std::vector<int64_t>& ids,
+                           std::optional<c10::ScalarType> dtype = std::nullopt);
   /// Blocks until every one of `ids` is gathered, takes one hold on each and
   /// returns their true-shape full views (the compiled path's wait).
   std::vector<at::Tensor> wait_gather(const std::vector<int64_t>& ids);
-  /// Blocking: the full value as a tensor of its own (gather, copy,
-  /// release), for reads outside any schedule: checkpoints, the functional
-  /// all_gather op. Leaves the parameter as it found it.
+  /// Blocking: the full value in the master dtype as a tensor of its own,
+  /// for reads outside any schedule (checkpoints, the functional all_gather
+  /// op): one all-gather of the shard into a fresh buffer, counted as
+  /// gathered while it runs. Leaves the parameter's own buffer as it is.
   at::Tensor read_full(int64_t id);
   /// Drops one hold; the last one frees the buffer's bytes (not for
   /// persistent parameters). Does not communicate.
@@ -118,10 +127,12 @@ class Runtime : public torch::CustomClassHolder {
   /// parameter's flat shard gradient (summed, divided by the world size).
   std::vector<at::Tensor> finish_reduce_scatter(const std::vector<int64_t>& ids);
 
-  /// Reduce-scatter and deliver the parameter's gradient in `dtype` (the
-  /// shard's grad_dtype); gradients arriving in another dtype are cast first.
-  void set_reduce_dtype(int64_t id, c10::ScalarType dtype);
-  c10::ScalarType reduce_dtype(int64_t id);
+  /// Sets how the parameter is gathered and its gradient reduced and
+  /// delivered (see GatherSpec); throws sharc::Error naming it if the spec
+  /// does not suit its master dtype.
+  void set_spec(int64_t id, c10::ScalarType gather_dtype, c10::ScalarType reduce_dtype,
+                c10::ScalarType grad_dtype);
+  GatherSpec spec(int64_t id);
 
   /// With sync off (no_sync micro-batches), reductions send nothing: each
   /// full gradient is added to a buffer of its parameter's and a zero shard
@@ -143,8 +154,8 @@ class Runtime : public torch::CustomClassHolder {
   /// The padded flat buffer (its storage holds 0 bytes while not gathered).
   at::Tensor padded_base(int64_t id);
   std::string state(int64_t id);
-  /// A meta tensor shaped and typed like parameter `id`'s full value.
-  at::Tensor meta_full(int64_t id);
+  /// A meta tensor shaped like parameter `id`'s full value, in `dtype`.
+  at::Tensor meta_full(int64_t id, c10::ScalarType dtype);
 
   c10::Dict<std::string, int64_t> stats();
   void reset_stats();
@@ -162,13 +173,16 @@ class Runtime : public torch::CustomClassHolder {
 
  private:
   ShardedParam& param(int64_t id);
-  void start_gather_locked(ShardedParam& p);
-  /// Starts what `p` needs before a use: a gather, a refresh of a stale
-  /// persistent buffer, or nothing (gathered or in flight already).
-  void prepare_locked(ShardedParam& p);
-  void start_bucket_locked(const std::vector<int64_t>& ids);
-  void finish_gather_locked(ShardedParam& p);
-  void finish_bucket_locked(BucketGather& bucket);
+  /// Whether `p` must be gathered before a use in `dtype`: sharded or
+  /// released, or persistent and stale or in another dtype. Throws if it is
+  /// held or in flight in another dtype.
+  bool needs_gather(const ShardedParam& p, c10::ScalarType dtype) const;
+  /// Gives `p` a buffer of `dtype` bytes (or keeps its persistent one) and
+  /// moves it to Gathering.
+  void claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype);
+  /// One collective for `ids`, all needing a gather, in `dtype`.
+  void start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype);
+  void finish_gather_locked(GatherInFlight& gather);
   at::Tensor pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const;
   at::Tensor full_view(const ShardedParam& p) const;
   /// The gradient to reduce now: `grad` plus what no_sync held back.

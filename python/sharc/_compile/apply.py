@@ -81,12 +81,13 @@ class _Rebuild:
     def _gather(self, outputs, operands, params) -> None:
         slots, group, pids = self._slots(params)
         shards = [self.env[s.shard] for s in slots]
-        self.by_value[outputs[0]] = self._call(START_GATHER, (shards, group, pids))
+        self.by_value[outputs[0]] = self._call(START_GATHER, (shards, group, pids,
+                                                              slots[0].dtype))
         self.in_flight[outputs[0]] = params
 
     def _wait(self, outputs, operands, params) -> None:  # a wait names its gather only
         slots, group, pids = self._slots(self.in_flight.pop(operands[0]))
-        waited = self._call(WAIT_GATHER, (self._value(operands[0]), group, pids),
+        waited = self._call(WAIT_GATHER, (self._value(operands[0]), group, pids, slots[0].dtype),
                             [s.gathers[0].meta.get("val") for s in slots])
         for i, (slot, name) in enumerate(zip(slots, outputs)):
             full = self._call(operator.getitem, (waited, i), slot.gathers[0].meta.get("val"))

@@ -30,6 +30,7 @@ class ParamSlot:
     group: str
     pid: int
     bytes: int
+    dtype: torch.dtype | None = None  # of the gathered value
     shard: fx.Node | None = None  # the shard the graph gathers from
     gathers: list[fx.Node] = field(default_factory=list)
     reductions: list[fx.Node] = field(default_factory=list)
@@ -76,6 +77,7 @@ class _Lowering:
                 slot = self._slot(node, tensor_bytes(node))
                 slot.gathers.append(node)
                 slot.shard = slot.shard or node.args[0]
+                slot.dtype = node.meta["val"].dtype
             elif is_call(node, REDUCE_SCATTER):
                 slot = self._slot(node, tensor_bytes(node.args[0]))
                 slot.reductions.append(node)
