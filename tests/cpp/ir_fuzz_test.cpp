@@ -52,6 +52,16 @@ const std::vector<std::string> kCorpus = {
     "%db = compute \"sum\" %z bytes=8 grad=@1\n"
     "reduce_scatter @0 @1 %dw %db\n"
     "output %z @1\n",
+    "param @0 \"w\" dtype=float32 bytes=64\n"
+    "param @1 \"b\" bytes=8 dtype=bfloat16\n"
+    "%x = input bytes=16\n"
+    "%wb = compute \"convert\" @0 bytes=32 cast=bfloat16\n"
+    "%y = compute \"mm\" %x %wb bytes=16 cast=float16 cost=0.5\n"
+    "%g = gather @1\n"
+    "%b = wait %g\n"
+    "%z = compute \"add\" %y %b bytes=16\n"
+    "release @1 after %z\n"
+    "output %z\n",
 };
 
 // Fragments that hit the tokenizer's and parser's special cases.
@@ -62,6 +72,8 @@ const std::vector<std::string> kFragments = {
     "grad=@0", "grad=x", "param=", "param=@1", "param=@", "after", "input", "compute",
     "gather", "wait", "release", "reduce_scatter", "output", "param", "\"op\"", "\"\"",
     "\"unterminated", "==", "%a, %b =", "= input", "frobnicate", "\xff\xfe", std::string(1, '\0'),
+    "dtype=", "dtype=float32", "dtype=bfloat16", "dtype=int8", "dtype=odd_type", "dtype=@0",
+    "cast=", "cast=bfloat16", "cast=float16", "cast=float64", "cast=%x", "cast=8bit",
 };
 
 using Rng = std::mt19937_64;
