@@ -4,7 +4,8 @@
 // same inputs on every run), go through parse, print, verify and value_bytes.
 // Bad text must be rejected with a sharc::Error that names its line; no input
 // may crash, hang or throw anything else. Text that parses must print to a
-// form that parses again and prints the same (a fixed point).
+// form that parses again and prints the same (a fixed point), also after
+// cast_before_gather, which rewrites operands of every kind of node.
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 
 #include "sharc/core/error.h"
 #include "sharc/compiler/ir.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -60,7 +62,7 @@ const std::vector<std::string> kCorpus = {
     "%g = gather @1\n"
     "%b = wait %g\n"
     "%z = compute \"add\" %y %b bytes=16\n"
-    "release @1 after %z\n"
+    "release @1 after %z %wb\n"
     "output %z\n",
 };
 
@@ -159,6 +161,9 @@ void exercise(const Graph& graph, const std::string& text) {
            << text << "\nprinted:\n" << printed;
   }
   EXPECT_EQ(print(again), printed) << "input:\n" << text;
+  Graph cast = graph;
+  make_cast_before_gather()->run(cast);
+  EXPECT_EQ(print(parse(print(cast))), print(cast)) << "input:\n" << text;
   for (const Node& n : graph.nodes) {
     for (const std::string& v : n.outputs) {
       try {
