@@ -3,6 +3,7 @@
 #include <cctype>
 #include <sstream>
 
+#include "sharc/compiler/dtype.h"
 #include "sharc/core/error.h"
 
 namespace sharc::ir {
@@ -100,6 +101,12 @@ NodeKind kind_of(const std::string& word, int lineno) {
   throw Error(detail::concat("sharc ir line ", lineno, ": unknown node kind '", word, "'"));
 }
 
+std::string dtype_name(const std::string& value, int lineno) {
+  SHARC_CHECK(is_dtype_name(value), "sharc ir line ", lineno, ": bad dtype '", value,
+              "'; expected a name like float32 or bfloat16");
+  return value;
+}
+
 void parse_attribute(Node& node, const std::string& key, const std::string& value,
                      int lineno) {
   if (key == "bytes") {
@@ -113,6 +120,11 @@ void parse_attribute(Node& node, const std::string& key, const std::string& valu
                 ": only an input takes 'param=' (a full parameter saved by forward); a ",
                 to_string(node.kind), " names parameters as @N operands");
     node.params.push_back(param_id(value, lineno));
+  } else if (key == "cast") {
+    SHARC_CHECK(node.kind == NodeKind::Compute, "sharc ir line ", lineno,
+                ": only compute nodes take 'cast=' (a conversion of the operand), not ",
+                to_string(node.kind), " nodes");
+    node.cast = dtype_name(value, lineno);
   } else {
     throw Error(detail::concat("sharc ir line ", lineno, ": unknown attribute '", key, "'"));
   }
@@ -143,17 +155,44 @@ void parse_argument(Node& node, const std::string& tok, int lineno) {
   }
 }
 
-Param parse_param(const std::vector<std::string>& tokens, int lineno) {
-  SHARC_CHECK(tokens.size() == 4 && tokens[2].front() == '"' &&
-                  tokens[3].rfind("bytes=", 0) == 0,
-              "sharc ir line ", lineno, ": expected 'param @N \"name\" bytes=B'");
-  int64_t bytes = 0;
-  try {
-    bytes = std::stoll(tokens[3].substr(6));
-  } catch (const std::logic_error&) {  // not a number, or out of range
-    throw Error(detail::concat("sharc ir line ", lineno, ": bad value in '", tokens[3], "'"));
+constexpr const char* kParamForm = "'param @N \"name\" bytes=B [dtype=D]'";
+
+// One `key=value` after a parameter's name; `seen` holds the keys so far.
+void parse_param_attribute(Param& param, const std::string& tok, std::set<std::string>& seen,
+                           int lineno) {
+  const size_t eq = tok.find('=');
+  SHARC_CHECK(eq != std::string::npos, "sharc ir line ", lineno, ": unexpected '", tok,
+              "'; expected ", kParamForm);
+  const std::string key = tok.substr(0, eq), value = tok.substr(eq + 1);
+  SHARC_CHECK(seen.insert(key).second, "sharc ir line ", lineno, ": '", key,
+              "=' given twice");
+  if (key == "bytes") {
+    try {
+      param.bytes = std::stoll(value);
+    } catch (const std::logic_error&) {  // not a number, or out of range
+      throw Error(detail::concat("sharc ir line ", lineno, ": bad value in '", tok, "'"));
+    }
+  } else if (key == "dtype") {
+    param.dtype = dtype_name(value, lineno);
+  } else {
+    throw Error(detail::concat("sharc ir line ", lineno, ": unknown parameter attribute '",
+                               key, "'; expected ", kParamForm));
   }
-  return Param{param_id(tokens[1], lineno), tokens[2].substr(1, tokens[2].size() - 2), bytes};
+}
+
+Param parse_param(const std::vector<std::string>& tokens, int lineno) {
+  SHARC_CHECK(tokens.size() >= 3 && tokens[2].front() == '"', "sharc ir line ", lineno,
+              ": expected ", kParamForm);
+  Param param;
+  param.id = param_id(tokens[1], lineno);
+  param.name = tokens[2].substr(1, tokens[2].size() - 2);
+  std::set<std::string> seen;
+  for (size_t i = 3; i < tokens.size(); ++i) {
+    parse_param_attribute(param, tokens[i], seen, lineno);
+  }
+  SHARC_CHECK(seen.count("bytes"), "sharc ir line ", lineno, ": missing 'bytes='; expected ",
+              kParamForm);
+  return param;
 }
 
 Node parse_node(const std::vector<std::string>& tokens, int lineno) {
@@ -226,6 +265,7 @@ void print_node(std::ostream& out, const Node& n) {
   }
   if (n.bytes) out << " bytes=" << n.bytes;
   if (n.grad_of) out << " grad=@" << *n.grad_of;
+  if (n.cast) out << " cast=" << *n.cast;
   if (n.cost) out << " cost=" << *n.cost;
   out << "\n";
 }
@@ -235,7 +275,9 @@ void print_node(std::ostream& out, const Node& n) {
 std::string print(const Graph& graph) {
   std::ostringstream out;
   for (const auto& [id, p] : graph.params) {
-    out << "param @" << id << " \"" << p.name << "\" bytes=" << p.bytes << "\n";
+    out << "param @" << id << " \"" << p.name << "\" bytes=" << p.bytes;
+    if (p.dtype) out << " dtype=" << *p.dtype;
+    out << "\n";
   }
   for (const Node& n : graph.nodes) {
     print_node(out, n);

@@ -91,7 +91,26 @@ class Verifier {
       }
       in_flight_.insert(p);
     }
+    check_one_dtype(index, n);
     if (!n.outputs.empty()) gathers_[n.outputs[0]] = n.params;
+  }
+
+  // The runtime gathers a bucket as one collective of one dtype; a parameter
+  // of unknown dtype counts as a dtype of its own.
+  void check_one_dtype(size_t index, const Node& gather) {
+    std::set<std::optional<std::string>> dtypes;
+    std::string listing;
+    for (int64_t p : gather.params) {
+      auto param = graph_.params.find(p);
+      if (param == graph_.params.end()) continue;
+      dtypes.insert(param->second.dtype);
+      listing += detail::concat(listing.empty() ? "" : ", ", "@", p, " ",
+                                param->second.dtype.value_or("unknown"));
+    }
+    if (dtypes.size() < 2) return;
+    fail(index, gather.outputs.empty() ? "a gather" : "%" + gather.outputs[0],
+         " serves parameters of different dtypes (", listing,
+         "); one gather is one collective of one dtype");
   }
 
   void visit_wait(size_t index, const Node& n) {

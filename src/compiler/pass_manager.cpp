@@ -82,6 +82,25 @@ void PassManager::check_required(size_t index, const VerifyOptions& holding,
   }
 }
 
+// Refuses to run pass `index` once a rule it must precede holds: the pass
+// would find nothing of what it rewrites, and quietly do nothing.
+void PassManager::check_precedes(size_t index, const VerifyOptions& holding,
+                                 const std::map<Rule, std::string>& established_by) const {
+  const std::string name = passes_[index]->name();
+  for (Rule rule : passes_[index]->contract().precedes) {
+    if (!holding.demands(rule)) continue;
+    const auto by = established_by.find(rule);
+    if (by != established_by.end()) {
+      throw Error(detail::concat("sharc: pass '", name, "' must run before '", to_string(rule),
+                                 "' holds, but pass '", by->second,
+                                 "' established it; run it before '", by->second, "'"));
+    }
+    throw Error(detail::concat("sharc: pass '", name, "' must run before '", to_string(rule),
+                               "' holds, but the pipeline's input already satisfies it; "
+                               "switch it off"));
+  }
+}
+
 // The fix for a required rule nothing established before pass `index`.
 std::string PassManager::how_to_establish(size_t index, Rule rule) const {
   for (size_t i = 0; i < passes_.size(); ++i) {
@@ -95,7 +114,8 @@ std::string PassManager::how_to_establish(size_t index, Rule rule) const {
 
 std::vector<PassRecord> PassManager::run(Graph& graph) const {
   VerifyOptions holding = input_rules_;
-  std::map<Rule, std::string> undone_by;  // rule -> the pass that undid it
+  std::map<Rule, std::string> undone_by;       // rule -> the pass that undid it
+  std::map<Rule, std::string> established_by;  // rule -> the pass that established it
   check(graph, holding, "on input");
   std::vector<PassRecord> records;
   for (size_t i = 0; i < passes_.size(); ++i) {
@@ -106,6 +126,7 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
       continue;
     }
     check_required(i, holding, undone_by);
+    check_precedes(i, holding, established_by);
     if (printer_) printer_(name, "before", print(graph));
     const int64_t rewrites = pass.run(graph);
     if (printer_) printer_(name, "after", print(graph));
@@ -117,6 +138,7 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
     for (Rule rule : contract.established) {
       holding.require(rule);
       undone_by.erase(rule);
+      established_by[rule] = name;
     }
     check(graph, holding, "after pass '" + name + "'");
     records.push_back({name, rewrites, false});

@@ -7,9 +7,13 @@ namespace sharc::ir {
 PassManager make_pipeline(const PipelineOptions& options) {
   PassManager manager;
   // Re-gather comes first so the saved parameters it turns into direct reads
-  // get their gathers from insertion; bucketing needs each gather still next
-  // to its wait, which prefetching undoes, so it runs before prefetching.
+  // get their gathers from insertion; casting before the gather looks at
+  // direct reads only, so it runs after re-gather (whose reads it sees) and
+  // before insertion (which gathers in the dtype it chose); bucketing needs
+  // each gather still next to its wait, which prefetching undoes, so it runs
+  // before prefetching.
   manager.add(make_regather_in_backward())
+      .add(make_cast_before_gather())
       .add(make_insert_gather_release())
       .add(make_bucket_allgathers(options.gather_bucket_bytes))
       .add(make_prefetch_gathers())

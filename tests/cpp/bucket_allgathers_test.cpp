@@ -123,6 +123,57 @@ TEST(BucketAllGathers, RequiresAndKeepsWaitsRightAfterTheirGathers) {
   EXPECT_TRUE(verify(parse(out), rules).empty()) << out;
 }
 
+// One bucket is one collective of one dtype: a gather of another dtype
+// closes the open bucket (however much room is left) and opens the next.
+const char* kMixedDtypes = R"(
+param @0 "w" bytes=64 dtype=bfloat16
+param @1 "b" bytes=8 dtype=float32
+param @2 "v" bytes=64 dtype=float32
+param @3 "u" bytes=64 dtype=bfloat16
+param @4 "t" bytes=64
+%x = input bytes=16
+%g0 = gather @0
+%w = wait %g0
+%g1 = gather @1
+%b = wait %g1
+%g2 = gather @2
+%v = wait %g2
+%g3 = gather @3
+%u = wait %g3
+%g4 = gather @4
+%t = wait %g4
+%y = compute "addmm" %b %x %w %v %u %t bytes=16
+release @0 @1 @2 @3 @4 after %y
+output %y
+)";
+
+TEST(BucketAllGathers, ADtypeChangeClosesTheBucket) {
+  auto pass = make_bucket_allgathers(1 << 20);
+  int64_t rewrites = -1;
+  const std::string out = run_pass(*pass, kMixedDtypes, &rewrites);
+  EXPECT_EQ(out, canonical(R"(
+param @0 "w" bytes=64 dtype=bfloat16
+param @1 "b" bytes=8 dtype=float32
+param @2 "v" bytes=64 dtype=float32
+param @3 "u" bytes=64 dtype=bfloat16
+param @4 "t" bytes=64
+%x = input bytes=16
+%g0 = gather @0
+%w = wait %g0
+%g1 = gather @1 @2
+%b, %v = wait %g1
+%g3 = gather @3
+%u = wait %g3
+%g4 = gather @4
+%t = wait %g4
+%y = compute "addmm" %b %x %w %v %u %t bytes=16
+release @0 @1 @2 @3 @4 after %y
+output %y
+)"));
+  EXPECT_EQ(rewrites, 1);
+  EXPECT_TRUE(verify(parse(out), VerifyOptions::structural()).empty());
+}
+
 TEST(BucketAllGathers, ZeroBucketFusesNothing) {
   auto pass = make_bucket_allgathers(0);
   int64_t rewrites = -1;

@@ -4,7 +4,8 @@
 // same inputs on every run), go through parse, print, verify and value_bytes.
 // Bad text must be rejected with a sharc::Error that names its line; no input
 // may crash, hang or throw anything else. Text that parses must print to a
-// form that parses again and prints the same (a fixed point).
+// form that parses again and prints the same (a fixed point), also after
+// cast_before_gather, which rewrites operands of every kind of node.
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 
 #include "sharc/core/error.h"
 #include "sharc/compiler/ir.h"
+#include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 namespace {
@@ -52,6 +54,16 @@ const std::vector<std::string> kCorpus = {
     "%db = compute \"sum\" %z bytes=8 grad=@1\n"
     "reduce_scatter @0 @1 %dw %db\n"
     "output %z @1\n",
+    "param @0 \"w\" dtype=float32 bytes=64\n"
+    "param @1 \"b\" bytes=8 dtype=bfloat16\n"
+    "%x = input bytes=16\n"
+    "%wb = compute \"convert\" @0 bytes=32 cast=bfloat16\n"
+    "%y = compute \"mm\" %x %wb bytes=16 cast=float16 cost=0.5\n"
+    "%g = gather @1\n"
+    "%b = wait %g\n"
+    "%z = compute \"add\" %y %b bytes=16\n"
+    "release @1 after %z %wb\n"
+    "output %z\n",
 };
 
 // Fragments that hit the tokenizer's and parser's special cases.
@@ -62,6 +74,8 @@ const std::vector<std::string> kFragments = {
     "grad=@0", "grad=x", "param=", "param=@1", "param=@", "after", "input", "compute",
     "gather", "wait", "release", "reduce_scatter", "output", "param", "\"op\"", "\"\"",
     "\"unterminated", "==", "%a, %b =", "= input", "frobnicate", "\xff\xfe", std::string(1, '\0'),
+    "dtype=", "dtype=float32", "dtype=bfloat16", "dtype=int8", "dtype=odd_type", "dtype=@0",
+    "cast=", "cast=bfloat16", "cast=float16", "cast=float64", "cast=%x", "cast=8bit",
 };
 
 using Rng = std::mt19937_64;
@@ -147,6 +161,9 @@ void exercise(const Graph& graph, const std::string& text) {
            << text << "\nprinted:\n" << printed;
   }
   EXPECT_EQ(print(again), printed) << "input:\n" << text;
+  Graph cast = graph;
+  make_cast_before_gather()->run(cast);
+  EXPECT_EQ(print(parse(print(cast))), print(cast)) << "input:\n" << text;
   for (const Node& n : graph.nodes) {
     for (const std::string& v : n.outputs) {
       try {

@@ -68,6 +68,66 @@ TEST(IrText, DirectParameterReadsAndGradients) {
             "reduce_scatter @0 %dw\n");
 }
 
+TEST(IrText, DtypesAndCasts) {
+  const Graph g = parse(
+      "param @0 \"w\" dtype=float32 bytes=4096\n"
+      "param @1 \"b\" bytes=64\n"
+      "%wb = compute \"convert\" @0 cost=2 cast=bfloat16 bytes=2048\n"
+      "output %wb\n");
+  EXPECT_EQ(g.params.at(0).dtype, "float32");
+  EXPECT_EQ(g.params.at(0).bytes, 4096);
+  EXPECT_FALSE(g.params.at(1).dtype.has_value());
+  EXPECT_EQ(g.nodes[0].cast, "bfloat16");
+  EXPECT_FALSE(g.nodes[1].cast.has_value());
+  EXPECT_EQ(print(g),
+            "param @0 \"w\" bytes=4096 dtype=float32\n"
+            "param @1 \"b\" bytes=64\n"
+            "%wb = compute \"convert\" @0 bytes=2048 cast=bfloat16 cost=2\n"
+            "output %wb\n");
+  EXPECT_EQ(print(parse(print(g))), print(g));
+}
+
+// Parses `text`, which must fail, and returns the message.
+std::string parse_error(const std::string& text) {
+  try {
+    parse(text);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "parsed: " << text;
+  return "";
+}
+
+TEST(IrText, BadDtypesAndParamLinesNameTheLineAndTheForm) {
+  const std::string head = "param @0 \"w\" bytes=4\n";
+  EXPECT_EQ(parse_error(head + "param @1 \"v\" dtype=float32\n"),
+            "sharc ir line 2: missing 'bytes='; expected 'param @N \"name\" bytes=B [dtype=D]'");
+  EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 bytes=8\n"),
+            "sharc ir line 2: 'bytes=' given twice");
+  EXPECT_EQ(parse_error(head + "param @1 \"v\" dtype=float32 bytes=4 dtype=float16\n"),
+            "sharc ir line 2: 'dtype=' given twice");
+  EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 shape=2\n"),
+            "sharc ir line 2: unknown parameter attribute 'shape'; expected "
+            "'param @N \"name\" bytes=B [dtype=D]'");
+  EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 float32\n"),
+            "sharc ir line 2: unexpected 'float32'; expected "
+            "'param @N \"name\" bytes=B [dtype=D]'");
+  EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 dtype=torch.float32\n"),
+            "sharc ir line 2: bad dtype 'torch.float32'; expected a name like float32 or "
+            "bfloat16");
+  EXPECT_EQ(parse_error("param @1 \"v\" bytes=4 dtype=\n"),
+            "sharc ir line 1: bad dtype ''; expected a name like float32 or bfloat16");
+  EXPECT_EQ(parse_error("param @1 bytes=4\n"),
+            "sharc ir line 1: expected 'param @N \"name\" bytes=B [dtype=D]'");
+  EXPECT_EQ(parse_error("%x = input bytes=4 cast=bfloat16\n"),
+            "sharc ir line 1: only compute nodes take 'cast=' (a conversion of the operand), "
+            "not input nodes");
+  EXPECT_EQ(parse_error("%x = compute \"c\" @0 cast=@1\n"),
+            "sharc ir line 1: bad dtype '@1'; expected a name like float32 or bfloat16");
+  EXPECT_EQ(parse_error("%x = compute \"c\" @0 dtype=float32\n"),
+            "sharc ir line 1: unknown attribute 'dtype'");
+}
+
 TEST(IrText, BadInputNamesTheLine) {
   try {
     parse("%x = input bytes=4\n%y = frobnicate %x\n");

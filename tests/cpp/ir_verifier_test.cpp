@@ -111,6 +111,25 @@ TEST(IrVerifier, WaitRightAfterItsGatherOnlyWhenDemanded) {
                     "release @0 after %y\n", demand).empty());
 }
 
+TEST(IrVerifier, OneGatherServesOneDtype) {
+  const char* body = "%g = gather @0 @1 @2\n%w, %b, %v = wait %g\n"
+                     "%y = compute \"a\" %w %b %v bytes=4\nrelease @0 @1 @2 after %y\n";
+  auto e = verify(parse("param @0 \"w\" bytes=64 dtype=float32\n"
+                        "param @1 \"b\" bytes=8 dtype=bfloat16\n"
+                        "param @2 \"v\" bytes=8\n" + std::string(body)),
+                  VerifyOptions::structural());
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0], "node 0 (gather): %g serves parameters of different dtypes (@0 float32, "
+                  "@1 bfloat16, @2 unknown); one gather is one collective of one dtype");
+  e = verify(parse("param @0 \"w\" bytes=64 dtype=bfloat16\n"
+                   "param @1 \"b\" bytes=8 dtype=bfloat16\n"
+                   "param @2 \"v\" bytes=8 dtype=bfloat16\n" + std::string(body)),
+             VerifyOptions::structural());
+  EXPECT_TRUE(e.empty()) << e[0];
+  e = check("param @2 \"v\" bytes=8\n" + std::string(body), VerifyOptions::structural());
+  EXPECT_TRUE(e.empty()) << e[0];  // all unknown: one (unknown) dtype
+}
+
 TEST(IrVerifier, RulesHaveNames) {
   EXPECT_STREQ(to_string(Rule::GathersInserted), "gathers inserted");
   EXPECT_STREQ(to_string(Rule::NoSavedParams), "no saved full parameters");

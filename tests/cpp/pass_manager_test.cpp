@@ -49,13 +49,15 @@ PassManager default_pipeline() {
 TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
   Graph g = parse(kBackwardFromBridge);
   const auto records = default_pipeline().run(g);
-  ASSERT_EQ(records.size(), 5u);
+  ASSERT_EQ(records.size(), 6u);
   EXPECT_EQ(records[0].name, "regather_in_backward");
   EXPECT_EQ(records[0].rewrites, 1);
-  EXPECT_EQ(records[1].rewrites, 1);
-  EXPECT_EQ(records[3].name, "prefetch_gathers");
-  EXPECT_EQ(records[3].rewrites, 0);  // one gather: nothing to move it ahead of
-  EXPECT_EQ(records[4].rewrites, 1);  // one bucket for both gradients
+  EXPECT_EQ(records[1].name, "cast_before_gather");
+  EXPECT_EQ(records[1].rewrites, 0);  // no dtypes, no casts
+  EXPECT_EQ(records[2].rewrites, 1);
+  EXPECT_EQ(records[4].name, "prefetch_gathers");
+  EXPECT_EQ(records[4].rewrites, 0);  // one gather: nothing to move it ahead of
+  EXPECT_EQ(records[5].rewrites, 1);  // one bucket for both gradients
   EXPECT_TRUE(verify(g).empty());
   EXPECT_EQ(print(g),
             "param @0 \"fc.weight\" bytes=64\n"
@@ -102,8 +104,8 @@ TEST(PassManager, SkippedPassesAreReported) {
   PassManager pm = default_pipeline();
   pm.disable("bucket_allgathers");
   const auto records = pm.run(g);
-  EXPECT_TRUE(records[2].skipped);
-  EXPECT_FALSE(records[1].skipped);
+  EXPECT_TRUE(records[3].skipped);
+  EXPECT_FALSE(records[2].skipped);
 }
 
 TEST(PassManager, UnknownPassNameIsAnError) {
@@ -124,20 +126,20 @@ TEST(PassManager, PrintsBeforeAndAfterEachPass) {
     seen.push_back(pass + ":" + when + ":" + std::to_string(ir.size() > 0));
   });
   pm.run(g);
-  ASSERT_EQ(seen.size(), 10u);
+  ASSERT_EQ(seen.size(), 12u);
   EXPECT_EQ(seen[0], "regather_in_backward:before:1");
-  EXPECT_EQ(seen[9], "insert_reduce_scatter:after:1");
+  EXPECT_EQ(seen[11], "insert_reduce_scatter:after:1");
 }
 
 TEST(PassManager, PipelineNamesItsPassesInOrder) {
   EXPECT_EQ(pipeline_pass_names(),
-            (std::vector<std::string>{"regather_in_backward", "insert_gather_release",
-                                      "bucket_allgathers", "prefetch_gathers",
-                                      "insert_reduce_scatter"}));
+            (std::vector<std::string>{"regather_in_backward", "cast_before_gather",
+                                      "insert_gather_release", "bucket_allgathers",
+                                      "prefetch_gathers", "insert_reduce_scatter"}));
   PipelineOptions options;
   options.disabled_passes = {"prefetch_gathers"};
   Graph g = parse(kBackwardFromBridge);
-  EXPECT_TRUE(make_pipeline(options).run(g)[3].skipped);
+  EXPECT_TRUE(make_pipeline(options).run(g)[4].skipped);
   options.disabled_passes = {"prefetch"};
   EXPECT_THROW(make_pipeline(options), Error);
 }
@@ -190,6 +192,37 @@ TEST(PassManager, RequiredRuleUndoneByAnEarlierPassNamesThatPass) {
   EXPECT_EQ(refusal(pm),
             "sharc: pass 'bucket_allgathers' requires 'each wait right after its gather', "
             "which pass 'prefetch_gathers' undid; run it before 'prefetch_gathers'");
+}
+
+TEST(PassManager, PassThatMustPrecedeAnEstablishedRuleNamesThePassToRunAfter) {
+  PassManager pm;
+  pm.add(make_insert_gather_release()).add(make_cast_before_gather());
+  EXPECT_EQ(refusal(pm),
+            "sharc: pass 'cast_before_gather' must run before 'gathers inserted' holds, but "
+            "pass 'insert_gather_release' established it; run it before "
+            "'insert_gather_release'");
+  PassManager right_order(VerifyOptions::structural(),
+                          VerifyOptions::complete().waive(Rule::GradientsReduced));
+  right_order.add(make_cast_before_gather()).add(make_insert_gather_release());
+  Graph g = parse(kBackwardAsLowered);
+  EXPECT_EQ(right_order.run(g).size(), 2u);
+}
+
+TEST(PassManager, PassThatMustPrecedeARuleTheInputSatisfiesIsRefused) {
+  Graph g = parse(
+      "param @0 \"w\" bytes=64\n%x = input bytes=4\n%g = gather @0\n%w = wait %g\n"
+      "%y = compute \"a\" %x %w bytes=4\nrelease @0 after %y\noutput %y\n");
+  PassManager pm(VerifyOptions::structural().require(Rule::GathersInserted),
+                 VerifyOptions::structural());
+  pm.add(make_cast_before_gather());
+  try {
+    pm.run(g);
+    FAIL() << "cast_before_gather ran on a graph with gathers inserted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "sharc: pass 'cast_before_gather' must run before 'gathers inserted' holds, but "
+              "the pipeline's input already satisfies it; switch it off");
+  }
 }
 
 TEST(PassManager, InputRulesHoldBeforeTheFirstPass) {

@@ -5,19 +5,29 @@
 // byte size; each communication node names the parameters it serves. Text
 // form, one node per line ('#' starts a comment):
 //
-//   param @0 "blocks.0.fc.weight" bytes=4096      declares a sharded parameter
+//   param @0 "blocks.0.fc.weight" bytes=4096 dtype=float32
+//                                                  declares a sharded parameter
 //   %x = input bytes=256                           graph input
 //   %w = input param=@0                            full parameter saved by forward
 //   %g = gather @0 @1                              all-gather in flight (bucket)
 //   %w0, %w1 = wait %g                             full parameters, usable
 //   %y = compute "mm" %x %w0 bytes=256 cost=1.5    any other operation
 //   %dw = compute "mm" %x %y bytes=4096 grad=@0    produces @0's gradient
+//   %h = compute "convert" %y bytes=128 cast=bfloat16
+//                                                  converts its operand's dtype
 //   release @0 after %y                            free after the last use
 //   reduce_scatter @0 @1 %dw0 %dw1                 gradient reduction (bucket)
 //   output %y
 //
 // A compute node may also read a parameter directly (`@0` as an operand):
 // that is a use the insertion pass turns into gather / wait / release.
+//
+// A parameter's `bytes` and `dtype` are those of its gathered (full) value;
+// after its name they come in any order, and `dtype=` may be left out (the
+// dtype is then unknown). Dtypes are torch's names without `torch.`
+// (dtype.h). `cast=D` marks a compute node as an element-wise conversion of
+// its single operand to dtype D. Printing puts a param's `bytes=` before its
+// `dtype=`, and a node's attributes in the order bytes, grad, cast, cost.
 
 #include <cstdint>
 #include <map>
@@ -50,13 +60,15 @@ struct Node {
   std::string op;                    ///< compute: the operation's name
   int64_t bytes = 0;                 ///< bytes of the (single) output, if any
   std::optional<int64_t> grad_of;    ///< compute: produces this parameter's gradient
+  std::optional<std::string> cast;   ///< compute: converts its one operand to this dtype
   std::optional<double> cost;        ///< measured cost, when known
 };
 
 struct Param {
   int64_t id = 0;
   std::string name;
-  int64_t bytes = 0;  ///< bytes of the full (gathered) parameter
+  int64_t bytes = 0;                 ///< bytes of the full (gathered) parameter
+  std::optional<std::string> dtype;  ///< dtype of the gathered parameter; unset: unknown
 };
 
 struct Graph {

@@ -3,12 +3,12 @@
 //
 // A pass does one thing, reports how many rewrites it made (0 when there was
 // nothing to do) and declares its contract: the rules it requires of its
-// input, those it establishes and those it undoes. The manager owns
-// everything around passes: running a plain list in order, switching passes
-// off by name, refusing to run a pass whose required rules do not hold,
-// printing the IR before and after each pass, and verifying after each one
-// with the rules that hold so far. A violation throws sharc::Error naming the
-// pass.
+// input, those it establishes, those it undoes and those it must precede.
+// The manager owns everything around passes: running a plain list in order,
+// switching passes off by name, refusing to run a pass whose required rules
+// do not hold or that comes after a rule it must precede, printing the IR
+// before and after each pass, and verifying after each one with the rules
+// that hold so far. A violation throws sharc::Error naming the pass.
 
 #include <functional>
 #include <map>
@@ -26,6 +26,9 @@ struct Contract {
   std::vector<Rule> required;     ///< must hold before the pass runs
   std::vector<Rule> established;  ///< hold after it; verified from then on
   std::vector<Rule> undone;       ///< may no longer hold after it
+  /// Must not hold yet when the pass runs: it works on what establishing
+  /// them rewrites away, so after them it would quietly find nothing to do.
+  std::vector<Rule> precedes = {};
 };
 
 class Pass {
@@ -63,8 +66,9 @@ class PassManager {
   std::vector<std::string> pass_names() const;
 
   /// Verifies the input, runs every enabled pass in order (checking its
-  /// required rules first, verifying after it), then verifies the result
-  /// with the final rules. Throws sharc::Error on the first violation.
+  /// required and preceded rules first, verifying after it), then verifies
+  /// the result with the final rules. Throws sharc::Error on the first
+  /// violation.
   std::vector<PassRecord> run(Graph& graph) const;
 
  private:
@@ -72,6 +76,8 @@ class PassManager {
   void check_final(const Graph& graph) const;
   void check_required(size_t index, const VerifyOptions& holding,
                       const std::map<Rule, std::string>& undone_by) const;
+  void check_precedes(size_t index, const VerifyOptions& holding,
+                      const std::map<Rule, std::string>& established_by) const;
   std::string how_to_establish(size_t index, Rule rule) const;
 
   VerifyOptions input_rules_;

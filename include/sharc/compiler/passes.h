@@ -19,6 +19,22 @@ namespace sharc::ir {
 /// Establishes: no saved full parameters.
 std::unique_ptr<Pass> make_regather_in_backward();
 
+/// Mixed precision: a parameter (of known floating dtype) whose every read is
+/// a compute node with `cast=D` converting it alone, one smaller floating
+/// dtype D for all of them, is gathered in D: its declaration takes D and the
+/// bytes of D (the runtime casts the shard, then gathers, so the collective
+/// moves the small dtype), the casts go, and what read them reads the
+/// parameter directly. A parameter with any other read (a full-precision
+/// use, a view, a cast to another or a wider dtype, an output, a saved
+/// `input param=`, a cast whose result is an output or a reduced gradient)
+/// keeps its full-precision gather: that read needs the full value, and
+/// gathering twice would cost more than it saves. Returns the casts removed.
+/// It sees only direct reads (`@k` operands), which insert_gather_release
+/// turns into gathered values, so it must run before that pass; its contract
+/// says so (Contract::precedes) and the pass manager enforces it.
+/// Precedes: gathers inserted.
+std::unique_ptr<Pass> make_cast_before_gather();
+
 /// Every directly read parameter gets `gather` and `wait` right before its
 /// first use and `release` right after its last use (counted over all uses),
 /// the release depending on the last user's outputs.
@@ -27,8 +43,9 @@ std::unique_ptr<Pass> make_insert_gather_release();
 
 /// Fuses consecutive gathers (in program order, compute in between allowed)
 /// into one collective and one wait while their parameters total at most
-/// `bucket_bytes`: later gathers move up to the bucket's first position, so
-/// the bucket size bounds the extra bytes this prefetching keeps alive.
+/// `bucket_bytes` and have one dtype: later gathers move up to the bucket's
+/// first position, so the bucket size bounds the extra bytes this
+/// prefetching keeps alive.
 /// Requires: each wait right after its gather (only such pairs are fused).
 std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes);
 

@@ -1,4 +1,6 @@
+#include <optional>
 #include <set>
+#include <string>
 
 #include "sharc/compiler/passes.h"
 
@@ -26,9 +28,9 @@ class BucketAllGathers : public Pass {
   Contract contract() const override { return {{Rule::WaitsFollowGathers}, {}, {}}; }
 
   // Walks the gathers in program order. Each one joins the open bucket if it
-  // fits (moving it up to the bucket's position: a gather reads nothing but
-  // its shards, so it may run earlier, at the cost of its bytes living
-  // longer), otherwise it opens the next bucket.
+  // fits and has the bucket's dtype (moving it up to the bucket's position: a
+  // gather reads nothing but its shards, so it may run earlier, at the cost
+  // of its bytes living longer), otherwise it opens the next bucket.
   int64_t run(Graph& graph) override {
     int64_t rewrites = 0;
     std::vector<Node> out;
@@ -43,12 +45,13 @@ class BucketAllGathers : public Pass {
       Node& gather = graph.nodes[i];
       Node& wait = graph.nodes[++i];
       const int64_t bytes = bytes_of(graph, gather);
-      if (open.fits(gather, bytes, bucket_bytes_)) {
+      const std::optional<std::string> dtype = dtype_of(graph, gather);
+      if (open.fits(gather, bytes, dtype, bucket_bytes_)) {
         open.join(out, gather, wait, bytes);
         ++rewrites;
         continue;
       }
-      open = Bucket{out.size(), bytes, {gather.params.begin(), gather.params.end()}, true};
+      open = Bucket{out.size(), bytes, dtype, {gather.params.begin(), gather.params.end()}, true};
       out.push_back(std::move(gather));
       out.push_back(std::move(wait));
     }
@@ -60,11 +63,14 @@ class BucketAllGathers : public Pass {
   struct Bucket {
     size_t gather_at = 0;  ///< index in the output; its wait follows
     int64_t bytes = 0;
+    std::optional<std::string> dtype;  ///< of every member; unset: unknown
     std::set<int64_t> params;
     bool active = false;
 
-    bool fits(const Node& gather, int64_t more, int64_t cap) const {
-      if (!active || bytes + more > cap) return false;
+    // The runtime gathers a bucket as one collective of one dtype.
+    bool fits(const Node& gather, int64_t more, const std::optional<std::string>& of,
+              int64_t cap) const {
+      if (!active || bytes + more > cap || of != dtype) return false;
       // A parameter gathered again after its release opens a new bucket.
       for (int64_t p : gather.params) {
         if (params.count(p)) return false;
@@ -88,6 +94,12 @@ class BucketAllGathers : public Pass {
     int64_t total = 0;
     for (int64_t p : gather.params) total += graph.params.at(p).bytes;
     return total;
+  }
+
+  // A gather's parameters share one dtype (the verifier checks it).
+  static std::optional<std::string> dtype_of(const Graph& graph, const Node& gather) {
+    if (gather.params.empty()) return std::nullopt;
+    return graph.params.at(gather.params[0]).dtype;
   }
 
   int64_t bucket_bytes_;
