@@ -1,6 +1,7 @@
 #include "sharc/runtime/runtime.h"
 
 #include <algorithm>
+#include <limits>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -295,13 +296,15 @@ void Runtime::start_reduction_locked(const std::vector<int64_t>& ids,
   if (rows.empty()) {
     pending.out = at::empty({0}, options);
   } else {
-    // Rank-major input: row r holds rank r's slice of every gradient. The
-    // input is kept alive with the work: the collective reads it until done.
-    pending.input = (rows.size() == 1 ? rows[0] : at::cat(rows, 1)).contiguous().view({-1});
+    // Rank-major input: row r holds rank r's slice of every gradient, and
+    // one more column saying whether this rank's gradients hold a non-finite
+    // value, so every rank learns it (see finish_reduce_scatter). The input
+    // is kept alive with the work: the collective reads it until done.
+    at::Tensor grid = rows.size() == 1 ? rows[0] : at::cat(rows, 1);
+    at::Tensor nonfinite = at::isfinite(grid).all().logical_not().to(bucket_dtype);
+    pending.input = at::cat({grid, nonfinite.expand({world, 1})}, 1).view({-1});
     pending.out = at::empty({pending.input.numel() / world}, options);
-    if (pending.out.numel() > 0) {
-      pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
-    }
+    pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
   }
   reductions_.emplace(ids[0], std::move(pending));
@@ -322,7 +325,11 @@ std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t
   }
   if (pending.work) pending.work->wait();
   at::Tensor out = pending.out.div_(comm_.world_size());
-  if (pending.widths.size() == 1 && !pending.held[0]) return {out.to(pending.dtypes[0])};
+  // A non-finite gradient on any rank makes every rank's shard gradients
+  // NaN: an inf that lands in one rank's shard would otherwise let a loss
+  // scaler skip the step there and take it elsewhere, and the ranks' models
+  // would part. (Without sharding every rank would see the inf.)
+  at::Tensor nonfinite = out.numel() > 0 ? out.narrow(0, out.numel() - 1, 1).gt(0) : out;
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
@@ -334,7 +341,8 @@ std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t
       continue;
     }
     at::Tensor slice = out.narrow(0, offset, pending.widths[i]);
-    shards.push_back(slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true));
+    at::Tensor shard = slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true);
+    shards.push_back(shard.masked_fill_(nonfinite, std::numeric_limits<double>::quiet_NaN()));
     offset += pending.widths[i];
   }
   return shards;

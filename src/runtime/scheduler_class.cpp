@@ -6,7 +6,8 @@
 //     -> (scheduled IR text,
 //         nodes: [(kind, outputs, operands, params)],
 //         passes: [(pass, rewrites, skipped)],
-//         trace: [(pass, "before" | "after", IR text)])
+//         trace: [(pass, "before" | "after", IR text)],
+//         params: [(id, dtype it is gathered in, "" if unknown)])
 //   with every list a list (value names without '%', parameter ids as ints).
 
 #include <string>
@@ -51,8 +52,9 @@ Run run_pipeline(const std::string& ir_text, const ir::PipelineOptions& options,
 using NodeTuple = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
                              std::vector<int64_t>>;
 using PassTuple = std::tuple<std::string, int64_t, bool>;
+using ParamTuple = std::tuple<int64_t, std::string>;
 using Scheduled = std::tuple<std::string, std::vector<NodeTuple>, std::vector<PassTuple>,
-                             std::vector<Step>>;
+                             std::vector<Step>, std::vector<ParamTuple>>;
 
 // (kind, outputs, operands, params). A scheduled graph reads no parameter
 // directly (the final rules forbid it), so every operand is a value name.
@@ -76,7 +78,10 @@ Scheduled schedule_nodes(std::string ir_text, int64_t gather_bucket_bytes,
   for (const ir::Node& n : run.graph.nodes) nodes.push_back(to_tuple(n));
   std::vector<PassTuple> passes;
   for (const ir::PassRecord& r : run.passes) passes.emplace_back(r.name, r.rewrites, r.skipped);
-  return {ir::print(run.graph), nodes, passes, run.steps};
+  // The dtype each parameter is gathered in (cast_before_gather may narrow it).
+  std::vector<ParamTuple> params;
+  for (const auto& [id, p] : run.graph.params) params.emplace_back(id, p.dtype.value_or(""));
+  return {ir::print(run.graph), nodes, passes, run.steps, params};
 }
 
 class Scheduler : public torch::CustomClassHolder {};
@@ -88,7 +93,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   const sharc::ir::PipelineOptions defaults;
   m.class_<sharc::Scheduler>("Scheduler")
       .def_static("schedule_nodes", &sharc::schedule_nodes,
-                  "Runs the pass pipeline; returns (IR text, nodes, passes, trace)",
+                  "Runs the pass pipeline; returns (IR text, nodes, passes, trace, params)",
                   {torch::arg("ir_text"),
                    torch::arg("gather_bucket_bytes") = defaults.gather_bucket_bytes,
                    torch::arg("reduce_bucket_bytes") = defaults.reduce_bucket_bytes,

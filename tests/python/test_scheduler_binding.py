@@ -22,7 +22,7 @@ output %z
 
 
 def test_structured_nodes_and_pass_records():
-    text, nodes, passes, trace = Scheduler.schedule_nodes(IR)
+    text, nodes, passes, trace, params = Scheduler.schedule_nodes(IR)
     assert "reduce_scatter @0 %dw" in text
     assert nodes[1] == ("gather", ["sharc_gather_0"], [], [0, 1])
     assert nodes[2] == ("wait", ["sharc_full_0", "sharc_full_1"], ["sharc_gather_0"], [])
@@ -31,12 +31,14 @@ def test_structured_nodes_and_pass_records():
     assert ("reduce_scatter", [], ["dw"], [0]) in nodes
     assert [p[0] for p in passes] == list(Scheduler.pass_names())
     assert passes[0] == ("regather_in_backward", 0, False)  # the bridge never saves params
-    assert passes[1] == ("insert_gather_release", 2, False)
+    assert passes[1] == ("cast_before_gather", 0, False)  # no dtypes, no casts
+    assert passes[2] == ("insert_gather_release", 2, False)
     assert trace == []
+    assert params == [(0, ""), (1, "")]
 
 
 def test_named_options_and_trace():
-    _, nodes, passes, trace = Scheduler.schedule_nodes(
+    _, nodes, passes, trace, _ = Scheduler.schedule_nodes(
         ir_text=IR, gather_bucket_bytes=0, reduce_bucket_bytes=1,
         disabled_passes=["prefetch_gathers"], trace=True)
     assert sum(kind == "gather" for kind, *_ in nodes) == 2

@@ -6,7 +6,9 @@ sharc.start_gather / wait_gather / release calls, and each reduce_scatter
 bucket becomes a sharc.reduce_scatter_start whose wait comes right after the
 next bucket starts (or at the end of the graph), so one reduction is in
 flight while backward computes on; the waited shard gradients replace the
-original per-parameter reductions at the graph output.
+original per-parameter reductions at the graph output. A parameter that
+cast_before_gather narrowed is gathered in the narrow dtype and its folded
+casts' users read the gathered value.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import operator
 
 import torch.fx as fx
 
-from sharc._compile.lower import LoweredGraph
+import torch
+
+from sharc._compile.lower import LoweredGraph, ParamSlot
 from sharc._compile.ops import (REDUCE_SCATTER_START, REDUCE_SCATTER_WAIT, RELEASE,
                                 START_GATHER, WAIT_GATHER, is_tensor)
 
 
 class _Rebuild:
-    def __init__(self, original: fx.Graph, lowered: LoweredGraph):
+    def __init__(self, original: fx.Graph, lowered: LoweredGraph, dtypes: dict[int, str]):
         self.original = original
         self.lowered = lowered
+        self.dtypes = dtypes  # IR param -> the dtype the schedule gathers it in
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}   # original node -> new node
         self.by_value: dict[str, fx.Node] = {}  # IR value -> new node
@@ -59,6 +64,19 @@ class _Rebuild:
         slots = [self.lowered.slots[p] for p in params]
         return slots, slots[0].group, [s.pid for s in slots]
 
+    def _gathered_dtype(self, slot: ParamSlot) -> torch.dtype:
+        name = self.dtypes.get(slot.ir_id) or ""
+        return getattr(torch, name) if name else slot.dtype
+
+    def _folded_casts(self, slot: ParamSlot) -> list[fx.Node]:
+        """The casts cast_before_gather folded into the gather: all of the
+        slot's, when it narrowed the gather's dtype."""
+        return slot.casts if self._gathered_dtype(slot) != slot.dtype else []
+
+    def _full_meta(self, slot: ParamSlot):
+        folded = self._folded_casts(slot)
+        return (folded[0] if folded else slot.gathers[0]).meta.get("val")
+
     # -- one handler per IR node kind --------------------------------------
     def _input(self, outputs, operands, params) -> None:
         pass  # placeholders were copied first, in their original order
@@ -81,19 +99,20 @@ class _Rebuild:
     def _gather(self, outputs, operands, params) -> None:
         slots, group, pids = self._slots(params)
         shards = [self.env[s.shard] for s in slots]
-        self.by_value[outputs[0]] = self._call(START_GATHER, (shards, group, pids,
-                                                              slots[0].dtype))
+        dtype = self._gathered_dtype(slots[0])  # a bucket has one dtype
+        self.by_value[outputs[0]] = self._call(START_GATHER, (shards, group, pids, dtype))
         self.in_flight[outputs[0]] = params
 
     def _wait(self, outputs, operands, params) -> None:  # a wait names its gather only
         slots, group, pids = self._slots(self.in_flight.pop(operands[0]))
-        waited = self._call(WAIT_GATHER, (self._value(operands[0]), group, pids, slots[0].dtype),
-                            [s.gathers[0].meta.get("val") for s in slots])
+        dtype = self._gathered_dtype(slots[0])
+        waited = self._call(WAIT_GATHER, (self._value(operands[0]), group, pids, dtype),
+                            [self._full_meta(s) for s in slots])
         for i, (slot, name) in enumerate(zip(slots, outputs)):
-            full = self._call(operator.getitem, (waited, i), slot.gathers[0].meta.get("val"))
+            full = self._call(operator.getitem, (waited, i), self._full_meta(slot))
             self.full[slot.ir_id] = self.by_value[name] = full
-            for gather in slot.gathers:
-                self.env[gather] = full
+            for read in slot.gathers + self._folded_casts(slot):
+                self.env[read] = full
 
     def _release(self, outputs, operands, params) -> None:
         after = [n for n in map(self._value, operands) if is_tensor(n)]
@@ -125,7 +144,9 @@ class _Rebuild:
 
 
 def rebuild(original: fx.Graph, lowered: LoweredGraph,
-            nodes: list[tuple[str, list[str], list[str], list[int]]]) -> fx.Graph:
+            nodes: list[tuple[str, list[str], list[str], list[int]]],
+            dtypes: dict[int, str]) -> fx.Graph:
     """The new graph for `original` scheduled as `nodes`: Scheduler.schedule_nodes'
-    (kind, outputs, value operands, parameter ids), in order."""
-    return _Rebuild(original, lowered).run(nodes)
+    (kind, outputs, value operands, parameter ids), in order, with each
+    parameter gathered in `dtypes`' dtype (its IR name; "" for as it is)."""
+    return _Rebuild(original, lowered, dtypes).run(nodes)

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from sharc._compile.errors import SharcCompileError
-from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, is_call, is_exit_cast, is_view,
-                                param_key, tensor_bytes)
+from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, cast_dtype, dtype_name, is_call,
+                                is_exit_cast, is_view, param_key, tensor_bytes)
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ParamSlot:
     dtype: torch.dtype | None = None  # of the gathered value
     shard: fx.Node | None = None  # the shard the graph gathers from
     gathers: list[fx.Node] = field(default_factory=list)
+    casts: list[fx.Node] = field(default_factory=list)  # of a gather's output, directly
     reductions: list[fx.Node] = field(default_factory=list)
     exit_casts: list[fx.Node] = field(default_factory=list)  # of the reductions' results
 
@@ -51,6 +52,7 @@ class _Lowering:
         self.graph = graph
         self.slots: dict[tuple[str, int], ParamSlot] = {}
         self.aliases: dict[fx.Node, int] = {}  # views of gathered parameters
+        self.cast_views: dict[fx.Node, fx.Node] = {}  # views of a gathered param's cast -> it
         self.lines: list[str] = []
         self.values: dict[str, fx.Node] = {}
         self.grad_markers: dict[str, fx.Node] = {}
@@ -59,7 +61,8 @@ class _Lowering:
     def run(self) -> LoweredGraph:
         self._collect_params()
         body = [line for node in self.graph.nodes for line in self._lower(node)]
-        header = [f'param @{s.ir_id} "{s.group}/{s.pid}" bytes={s.bytes}'
+        header = [f'param @{s.ir_id} "{s.group}/{s.pid}" bytes={s.bytes}' +
+                  (f" dtype={dtype_name(s.dtype)}" if s.dtype is not None else "")
                   for s in self.slots.values()]
         slots = {s.ir_id: s for s in self.slots.values()}
         return LoweredGraph("\n".join(header + body) + "\n", slots, self.values,
@@ -88,12 +91,20 @@ class _Lowering:
                         "this is a sharc bug, please report it with the model")
             elif is_view(node) and node.args[0] in self.aliases:
                 self.aliases[node] = self.aliases[node.args[0]]
+            elif cast_dtype(node) is not None and is_call(node.args[0], ALL_GATHER):
+                self.slots[param_key(node.args[0])].casts.append(node)
+            elif is_view(node) and (node.args[0] in self.cast_views or
+                                    node.args[0] in self._gather_casts()):
+                self.cast_views[node] = self.cast_views.get(node.args[0], node.args[0])
             if is_call(node, ALL_GATHER):
                 self.aliases[node] = self.slots[param_key(node)].ir_id
         if len({s.group for s in self.slots.values()}) > 1:
             raise SharcCompileError(
                 "sharc: one compiled graph reads parameters sharded over more than one "
                 "process group; compile each sharded model separately")
+
+    def _gather_casts(self) -> set[fx.Node]:
+        return {c for s in self.slots.values() for c in s.casts}
 
     def _operands(self, node: fx.Node) -> list[str]:
         ops = []
@@ -104,7 +115,12 @@ class _Lowering:
             ops.append(f"%{inp.name}")
             if inp in self.aliases:
                 ops.append(f"@{self.aliases[inp]}")
-        return ops
+            if inp in self.cast_views:
+                # Reading a view of a parameter's cast reads the cast too: if
+                # cast_before_gather folds the cast into the gather, the
+                # release then waits for this node.
+                ops.append(f"%{self.cast_views[inp].name}")
+        return list(dict.fromkeys(ops))
 
     def _lower(self, node: fx.Node) -> list[str]:
         if node.op == "placeholder":
@@ -143,7 +159,10 @@ class _Lowering:
             target, "__name__", str(target))
         op = re.sub(r"[^A-Za-z0-9_.]", "", name)  # one token in the IR text
         args = " ".join(self._operands(node))
-        return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}'.replace("  ", " ")
+        dtype = cast_dtype(node)
+        cast = f" cast={dtype_name(dtype)}" if dtype is not None else ""
+        return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}{cast}'.replace(
+            "  ", " ")
 
     def _is_exit_cast(self, node: fx.Node) -> bool:
         return is_exit_cast(node) and is_call(node.args[0], REDUCE_SCATTER)

@@ -58,6 +58,26 @@ def tensor_bytes(node: fx.Node) -> int:
 
 
 _CAST = torch.ops.prims.convert_element_type.default
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The IR's name of a dtype: torch's without the `torch.` prefix."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a pure element-wise cast converts to (what autocast and the
+    mixed-precision policy emit: convert_element_type, or a _to_copy that
+    changes nothing but the dtype); None for anything else."""
+    if is_call(node, _CAST):
+        return node.args[1]
+    if is_call(node, _TO_COPY) and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        val, src = node.meta.get("val"), node.args[0].meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) \
+                and val.device == src.device and val.stride() == src.stride():
+            return node.kwargs["dtype"]
+    return None
 
 
 def is_exit_cast(node: fx.Node) -> bool:

@@ -25,7 +25,7 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.G
     lowered = lower(gm.graph)
     if not lowered.slots:
         return gm  # nothing sharded is read here
-    text, nodes, passes, trace = torch.classes.sharc.Scheduler.schedule_nodes(
+    text, nodes, passes, trace, params = torch.classes.sharc.Scheduler.schedule_nodes(
         lowered.text,
         gather_bucket_bytes=config.gather_bucket_bytes,
         reduce_bucket_bytes=config.reduce_bucket_bytes,
@@ -33,7 +33,7 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.G
         trace=config.dump_ir is not None)
     if config.dump_ir is not None:
         _dump(config.dump_ir, kind, lowered.text, passes, trace, text)
-    gm.graph = rebuild(gm.graph, lowered, nodes)
+    gm.graph = rebuild(gm.graph, lowered, nodes, dict(params))
     gm.graph.lint()
     gm.recompile()
     return gm
