@@ -83,14 +83,14 @@ def _check_narrowing(fqn: str, master: torch.dtype, field: str, dtype: torch.dty
 def install_casts(root: torch.nn.Module, policy: MixedPrecision) -> None:
     """Casts the root forward's floating inputs to param_dtype and its
     floating outputs to output_dtype."""
-    if policy.param_dtype is not None:
-        dtype = policy.param_dtype
+    param_dtype, output_dtype = policy.param_dtype, policy.output_dtype
+    if param_dtype is not None:
         root.register_forward_pre_hook(
-            lambda _, args, kwargs: (_cast_floats(args, dtype), _cast_floats(kwargs, dtype)),
+            lambda _, args, kwargs: (_cast_floats(args, param_dtype),
+                                     _cast_floats(kwargs, param_dtype)),
             with_kwargs=True)
-    if policy.output_dtype is not None:
-        dtype = policy.output_dtype
-        root.register_forward_hook(lambda _, args, output: _cast_floats(output, dtype))
+    if output_dtype is not None:
+        root.register_forward_hook(lambda _, args, output: _cast_floats(output, output_dtype))
 
 
 def _cast_floats(tree, dtype: torch.dtype):
