@@ -165,12 +165,22 @@ class _Mlp(nn.Module):
         return self.b(torch.tanh(self.a(x))).float().pow(2).mean()
 
 
+class _BrokenMlp(_Mlp):
+    """Two compiled graphs and eager code between them."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        h = h * self.b.weight.sum()  # read again after the break
+        return self.b(h).float().pow(2).mean()
+
+
 def _counters(rank, world, mode, param, reduce, options):
     import sharc
 
-    model = _Mlp()
+    model = _BrokenMlp() if mode == "graph_break" else _Mlp()
     sharc.shard(model, config=_policy(param, reduce) if param else None)
-    step = torch.compile(model, backend="sharc", options=options) if mode == "compiled" else model
+    step = model if mode == "eager" else torch.compile(model, backend="sharc", options=options)
     stats = []
     for i in range(3):
         sharc.reset_memory_stats()
@@ -180,7 +190,7 @@ def _counters(rank, world, mode, param, reduce, options):
     return stats[-1]  # compiled by now
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "graph_break"])
 def test_bf16_halves_allgather_bytes_and_peak(mode):
     fp32 = run_ranks(_counters, 2, mode, None, None, None)
     bf16 = run_ranks(_counters, 2, mode, BF16, torch.float32, None)
