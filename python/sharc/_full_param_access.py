@@ -14,17 +14,18 @@ import functools
 
 import torch
 
-from sharc._param_ref import ShardedParamRef
+from sharc._module_state import ModuleState, attach
 
 
 def _full_param_property(name: str) -> property:
     def get(module: torch.nn.Module) -> torch.Tensor:
-        ref = module._sharc_refs[name]
+        state = module._sharc
+        ref = state.refs[name]
         if torch.compiler.is_compiling():
             # Captured as a functional all-gather; sharc's backend schedules
             # it (see sharc/_compile), any other backend sees a plain value.
             return ref.traced_read()
-        return module._sharc_schedule.read(ref)
+        return state.schedule.read(ref)
 
     never_a_frame_of_its_own(get)
     return property(get, doc=f"The full (gathered) parameter '{name}'.")
@@ -49,7 +50,7 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
     """Module._apply (behind .to(), .float(), .cuda(), ...) on a sharded
     module: refused before anything changes if it would change a shard's
     dtype or device, which the runtime registered and gathers into."""
-    for ref in module._sharc_refs.values():
+    for ref in module._sharc.refs.values():
         shard = ref.shard
         probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
         if probe.dtype != shard.dtype or probe.device != shard.device:
@@ -81,8 +82,8 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
 
 
-def install(module: torch.nn.Module, refs: dict[str, ShardedParamRef], schedule) -> None:
-    """Makes `module.<name>` return the full parameter for every name in refs."""
-    object.__setattr__(module, "_sharc_refs", refs)
-    object.__setattr__(module, "_sharc_schedule", schedule)
-    module.__class__ = _sharded_class(type(module), tuple(sorted(refs)))
+def install(module: torch.nn.Module, state: ModuleState) -> None:
+    """Makes `module.<name>` return the full parameter for every name in
+    `state.refs`."""
+    attach(module, state)
+    module.__class__ = _sharded_class(type(module), tuple(sorted(state.refs)))

@@ -8,6 +8,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from sharc._module_state import state_of
+
 # Device types each c10d backend can communicate.
 _BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "mpi": {"cpu", "cuda"}}
 
@@ -34,7 +36,7 @@ def group_device(group) -> torch.device:
 
 def check_not_sharded(module: torch.nn.Module) -> None:
     for name, sub in module.named_modules():
-        if hasattr(sub, "_sharc_refs") or hasattr(sub, "_sharc_root"):
+        if state_of(sub) is not None:
             where = f"its submodule '{name}'" if name else "it"
             raise RuntimeError(
                 f"sharc.shard() was already called on this module ({where} is sharded); "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from sharc import _full_param_access, _validate, mixed_precision
 from sharc._eager_schedule import EagerSchedule, GatherUnit
 from sharc._library import Runtime
+from sharc._module_state import ModuleState, state_of
 from sharc._param_ref import ShardedParamRef
 from sharc.config import ShardConfig
 
@@ -61,17 +62,16 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         sub._parameters[local] = ref.shard
         per_module.setdefault(sub, {})[local] = ref
     per_module.setdefault(module, {})  # the root too: it refuses deepcopy and casts
+    root = _ShardedRoot(group, runtime, refs_by_param)
     for sub, refs in per_module.items():
-        _full_param_access.install(sub, refs, schedule)
-    for sub in set(per_module) | {module}:
+        state = ModuleState(refs, schedule, root if sub is module else None)
+        _full_param_access.install(sub, state)
         sub.register_forward_pre_hook(schedule.forward_pre_hook)
         sub.register_forward_hook(schedule.forward_hook, always_call=True)
-    root = _ShardedRoot(group, runtime, refs_by_param)
     for _, unit in units:
         _install_unit(unit, runtime, root.refs_by_shard, schedule)
     if config.mixed_precision is not None:
         mixed_precision.install_casts(module, config.mixed_precision)
-    object.__setattr__(module, "_sharc_root", root)
     return module
 
 
@@ -161,7 +161,8 @@ def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
 
 def sharded_root(module: torch.nn.Module) -> _ShardedRoot:
     """What shard() left on `module` (or on the module torch.compile wraps)."""
-    root = getattr(unwrap_compiled(module), "_sharc_root", None)
+    state = state_of(unwrap_compiled(module))
+    root = state.root if state is not None else None
     if root is None:
         raise RuntimeError("this module is not sharded: call sharc.shard(module) first")
     return root
