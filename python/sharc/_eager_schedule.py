@@ -8,7 +8,15 @@ full tensor in the innermost scope, so repeated reads in one forward share one
 gather; closing the scope drops the holds. Tied parameters and parameters read
 by several modules are gathered once per reading scope and freed when the last
 hold goes. A read outside every scope (user code between steps) returns a
-copy and releases at once, so nothing stays gathered behind the user's back.
+copy of its own in the master dtype, so nothing stays gathered behind the
+user's back. A full tensor the user kept past its scope (`self.kept =
+self.weight`, or a view or array of it, which keep it alive) is not freed
+under them: its buffer is handed over to those references when the last
+hold goes (the runtime tracks the tensors it hands out, weakly) and the
+parameter gathers into a fresh buffer next time; sharc warns once per
+parameter. A `.detach()` of it is a new tensor the runtime cannot see: kept
+alone past the release it reads freed memory, as in compiled graphs, where
+`sharc.debug.released_reads_raise` finds such reads.
 
 Backward. While any scope is open, saved-tensor hooks replace every saved
 tensor that lives in a gathered buffer by a handle (parameter, size, stride,
@@ -22,6 +30,8 @@ forward to backward, and several backward passes over one forward
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -89,10 +99,6 @@ class GatherUnit:
         self.runtime.start_gather_bucket(self.ids)
         self.runtime.wait_gather(self.ids)
 
-    def release(self) -> None:
-        for pid in self.ids:
-            self.runtime.release(pid)
-
     def reduce(self) -> None:
         """Blocking: reduce-scatters what backward held back (zeros for what
         this rank never used) and adds it to the shards' gradients."""
@@ -137,6 +143,7 @@ class EagerSchedule:
         self._backward_full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
         self._units_in_backward: list[GatherUnit] = []
         self._end_of_backward_queued = False
+        self._warned_kept: set[int] = set()
 
     # -- forward scopes -------------------------------------------------
     # Inside a compiled frame the module hooks do nothing: reads are captured
@@ -164,9 +171,10 @@ class EagerSchedule:
     @torch.compiler.disable
     def exit_scope(self) -> None:
         scope = self._scopes.pop()
-        for ref, _ in scope.full.values():
-            ref.runtime.release(ref.pid)
-        scope.full.clear()
+        held = [ref for ref, _ in scope.full.values()]
+        scope.full.clear()  # before releasing: only references from outside remain
+        for ref in held:
+            self._let_go(ref)
         if not self._scopes:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -196,7 +204,7 @@ class EagerSchedule:
 
     @torch.compiler.disable
     def exit_unit(self, unit: GatherUnit, output) -> None:
-        unit.release()
+        self._release_unit(unit)
         outputs = [t for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
@@ -237,7 +245,9 @@ class EagerSchedule:
     def _release_backward(self, pid: int) -> None:
         entry = self._backward_full.pop(pid, None)
         if entry is not None:
-            entry[0].runtime.release(pid)
+            ref = entry[0]
+            del entry  # only references from outside may remain
+            self._let_go(ref)
 
     def _queue_end_of_backward(self) -> None:
         if self._end_of_backward_queued:
@@ -250,6 +260,28 @@ class EagerSchedule:
         units, self._units_in_backward = self._units_in_backward, []
         for unit in units:  # in the same order on every rank
             unit.reduce()
-            unit.release()
+            self._release_unit(unit)
         for pid in list(self._backward_full):
             self._release_backward(pid)
+
+    # -- letting go -----------------------------------------------------
+    def _release_unit(self, unit: GatherUnit) -> None:
+        for ref in unit.refs:
+            self._let_go(ref)
+
+    def _let_go(self, ref: ShardedParamRef) -> None:
+        """Drops one hold. A buffer something outside still references when
+        its last hold goes (a kept `module.weight`, a view, a numpy array) is
+        handed to those references rather than freed under them."""
+        if not ref.runtime.release_or_hand_over(ref.pid):
+            return
+        self._by_storage = {k: r for k, r in self._by_storage.items() if r is not ref}
+        self._by_storage[ref.runtime.padded_base(ref.pid).untyped_storage()._cdata] = ref
+        if ref.pid not in self._warned_kept:
+            self._warned_kept.add(ref.pid)
+            warnings.warn(
+                f"sharc: the gathered parameter '{ref.fqn}' was still referenced when "
+                "sharc released it (a `module.weight` kept past its module's forward, or a "
+                "view or array of it). That reference keeps the values of that gather, "
+                "and their memory, until it is dropped; it does not follow later updates. "
+                "Read the module attribute again instead of keeping it.", stacklevel=2)

@@ -19,9 +19,14 @@ ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
       shard(std::move(shard_)),
       state(name),
       spec(GatherSpec::of(shard.scalar_type())) {
-  base = at::empty({layout.padded_numel()}, shard.options());
-  c10::Storage storage = base.storage();
-  free_storage(storage);
+  base = shard.new_empty({0});
+  renew_base();
+}
+
+void ShardedParam::renew_base() {
+  // Sized without allocating: the storage holds 0 bytes until a gather.
+  base = at::empty({0}, base.options());
+  base.unsafeGetTensorImpl()->set_sizes_contiguous({layout.padded_numel()});
 }
 
 bool ShardedParam::is_stale() const {
@@ -194,7 +199,7 @@ std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {
       finish_gather_locked(*gather);
     }
     p.state.acquire();
-    fulls.push_back(full_view(p));
+    fulls.push_back(hand_out(p));
   }
   return fulls;
 }
@@ -233,7 +238,27 @@ void Runtime::release(int64_t id) {
     c10::Storage storage = p.base.storage();
     free_storage(storage);
     accounting_.on_freed(p.full_bytes());
+    p.handed_out.clear();
   }
+}
+
+bool Runtime::release_or_hand_over(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
+  ShardedParam& p = param(id);
+  if (!p.state.release()) return false;
+  accounting_.on_freed(p.full_bytes());  // no longer the runtime's, either way
+  // One check per release, nothing on any operator's path.
+  const bool kept = std::any_of(p.handed_out.begin(), p.handed_out.end(),
+                                [](const auto& weak) { return weak.use_count() > 0; });
+  p.handed_out.clear();
+  if (kept) {
+    p.renew_base();
+    return true;
+  }
+  c10::Storage storage = p.base.storage();
+  free_storage(storage);
+  return false;
 }
 
 at::Tensor Runtime::pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const {
@@ -406,11 +431,12 @@ std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
   return finish_reduce_scatter(ids);
 }
 
-at::Tensor Runtime::full_view(const ShardedParam& p) const {
+at::Tensor Runtime::hand_out(ShardedParam& p) {
   // A plain tensor over the base storage (not an autograd view of `base`):
   // it stays a true-shape alias whose bytes vanish when the base is freed.
   at::Tensor view = at::empty({0}, p.base.options());
   view.set_(p.base.storage(), 0, p.shape, c10::contiguous_strides(p.shape));
+  p.handed_out.emplace_back(view.getIntrusivePtr());
   return view;
 }
 

@@ -33,6 +33,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("gather", &sharc::Runtime::gather)
       .def("read_full", &sharc::Runtime::read_full)
       .def("release", &sharc::Runtime::release)
+      .def("release_or_hand_over", &sharc::Runtime::release_or_hand_over)
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("set_spec", &sharc::Runtime::set_spec)

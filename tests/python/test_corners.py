@@ -253,29 +253,36 @@ def test_part_of_the_model_compiled():
                                        rtol=1e-4, atol=1e-6)
 
 
-# -- debug mode names the parameter --------------------------------------------------
+# -- a gathered weight kept past its forward stays valid ----------------------------
 def _kept_weight(rank, world):
-    from sharc.debug import ReleasedParameterRead, released_reads_raise
+    import warnings
+
+    import sharc
 
     model, _ = _sharded("eager")
     kept = {}
 
     def keep(mod, inputs, output):
         kept["w"] = mod.weight  # a user hook holding on to a gathered weight
+        kept["view"] = mod.weight.t()[0]  # a view of it
+        kept["array"] = mod.weight.detach().numpy()  # an array over its memory
 
     model.b.register_forward_hook(keep)
-    model(*batch(0, rank, world)).sum().backward()
-    try:
-        with released_reads_raise(model):
-            kept["w"].sum()
-    except ReleasedParameterRead as e:
-        return str(e)
-    return "no error"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(*batch(0, rank, world)).sum().backward()
+    full = sharc.full_state_dict(model)["b.weight"]
+    gathered_after = sharc.memory_stats()["gathered_bytes"]
+    return (torch.equal(kept["w"].detach(), full), torch.equal(kept["view"].detach(), full.t()[0]),
+            bool((kept["array"] == full.numpy()).all()), gathered_after,
+            [str(w.message) for w in caught if "sharc" in str(w.message)])
 
 
-def test_debug_mode_names_the_parameter_read_after_release():
-    for message in run_ranks(_kept_weight, 2):
-        assert "parameter 'b.weight'" in message and "released" in message
+def test_kept_weight_stays_valid_and_is_reported():
+    for same, same_view, same_array, gathered, messages in run_ranks(_kept_weight, 2):
+        assert same and same_view and same_array
+        assert gathered == 0  # handed over to the user's references, not the runtime's
+        assert len(messages) == 1 and "'b.weight' was still referenced" in messages[0]
 
 
 # -- an optimizer created before shard() ---------------------------------------------

@@ -66,6 +66,10 @@ struct ShardedParam {
   GatherSpec spec;
   /// Flat full gradient summed over no_sync micro-batches, not yet reduced.
   at::Tensor unreduced;
+  /// The full tensors handed out since the buffer was gathered, weakly: one
+  /// still alive at the last release was kept by someone (a view of it
+  /// keeps it alive too, through its base).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> handed_out;
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
   bool deferred = false;
@@ -75,6 +79,8 @@ struct ShardedParam {
 
   /// Bytes of the padded buffer in its current dtype.
   int64_t full_bytes() const;
+  /// A new, empty (0-byte) buffer of its own for `base`.
+  void renew_base();
   /// Points `base` at the same storage in `dtype` (the storage's bytes are
   /// the caller's business).
   void retype_base(c10::ScalarType dtype);
@@ -112,9 +118,21 @@ class Runtime : public torch::CustomClassHolder {
   /// op): one all-gather of the shard into a fresh buffer, counted as
   /// gathered while it runs. Leaves the parameter's own buffer as it is.
   at::Tensor read_full(int64_t id);
-  /// Drops one hold; the last one frees the buffer's bytes (not for
-  /// persistent parameters). Does not communicate.
+  /// Drops one hold; the last one frees the buffer's bytes in place (not for
+  /// persistent parameters), whoever still references them: the compiled
+  /// path's release, where a compiler keeps references until its graph ends.
+  /// Does not communicate.
   void release(int64_t id);
+  /// The eager path's release: as release(), except that a buffer whose
+  /// handed-out full tensor is still alive when its last hold goes (a
+  /// gathered weight a user kept, or a view or array of it, which keeps it
+  /// alive) is handed over to those references instead of freed, so they
+  /// stay valid (the values of that gather) and the memory goes when they
+  /// do; the parameter gets a fresh buffer for its next gather. Returns
+  /// whether it handed one over. (Storage use counts cannot tell: a
+  /// communication library may still hold views of a finished collective's
+  /// output for a while.)
+  bool release_or_hand_over(int64_t id);
   /// Blocking: sums the full gradient over the group, divides by the world
   /// size and returns this rank's flat shard of it.
   at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);
@@ -184,7 +202,8 @@ class Runtime : public torch::CustomClassHolder {
   void start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype);
   void finish_gather_locked(GatherInFlight& gather);
   at::Tensor pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const;
-  at::Tensor full_view(const ShardedParam& p) const;
+  /// A true-shape tensor over the buffer, recorded in `handed_out`.
+  at::Tensor hand_out(ShardedParam& p);
   /// The gradient to reduce now: `grad` plus what no_sync held back.
   at::Tensor take_unreduced(ShardedParam& p, const at::Tensor& grad, c10::ScalarType dtype);
   void hold_unreduced(ShardedParam& p, const at::Tensor& grad);
