@@ -9,6 +9,7 @@ from sharc.checkpoint_io import load_checkpoint, save_checkpoint
 from sharc.config import CompileConfig, ShardConfig
 from sharc.mixed_precision import MixedPrecision
 from sharc.state_dict import full_state_dict, load_full_state_dict
+from sharc.unsharded import unsharded
 
 _compile.register()  # torch.compile(model, backend="sharc")
 
@@ -27,4 +28,5 @@ __all__ = [
     "save_checkpoint",
     "set_state_dict",
     "shard",
+    "unsharded",
 ]

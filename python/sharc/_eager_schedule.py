@@ -114,6 +114,37 @@ class GatherUnit:
                     ref.shard.grad += grad
 
 
+# In-place ops on an OutsideForwardCopy, by name (besides `op_`).
+_WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                     "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                     "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+_HARMLESS = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+
+
+class OutsideForwardCopy(torch.Tensor):
+    """What `module.weight` gives outside every forward: a copy of the full
+    parameter. Writing to it in place would change the copy only, so it
+    raises, naming what does reach the shards. (`.data` gives a plain
+    tensor, which this cannot see.) Every other op runs as on a tensor and
+    returns plain tensors."""
+
+    sharc_fqn = "?"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        in_place = name in _WRITES or (name.endswith("_") and not name.startswith("_")
+                                       and name not in _HARMLESS)
+        if in_place and args and isinstance(args[0], cls):
+            raise RuntimeError(
+                f"sharc: '{args[0].sharc_fqn}' read outside forward is a copy of the sharded "
+                f"parameter; {name} on it would change the copy only. To change parameters "
+                "after sharc.shard(), write them inside `with sharc.unsharded(model, "
+                "writeback=True):`, or load them with sharc.load_full_state_dict")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
 class _Scope:
     __slots__ = ("full",)
 
@@ -144,6 +175,9 @@ class EagerSchedule:
         self._units_in_backward: list[GatherUnit] = []
         self._end_of_backward_queued = False
         self._warned_kept: set[int] = set()
+        # sharc.unsharded(): parameter id -> the full tensor every read gives.
+        self.unsharded: dict[int, torch.Tensor] | None = None
+
 
     # -- forward scopes -------------------------------------------------
     # Inside a compiled frame the module hooks do nothing: reads are captured
@@ -182,8 +216,12 @@ class EagerSchedule:
     @torch.compiler.disable
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
+        if self.unsharded is not None:
+            return self.unsharded[ref.pid]
         if not self._scopes:  # a copy of its own, in the master dtype
-            return ref.all_gather_op()
+            copy = ref.all_gather_op().as_subclass(OutsideForwardCopy)
+            copy.sharc_fqn = ref.fqn
+            return copy
         scope = self._scopes[-1]
         cached = scope.full.get(ref.pid)
         if cached is not None:

@@ -1,0 +1,89 @@
+"""Changing parameters after shard(): sharc.unsharded(model, writeback=True)
+reaches the shards; writes that cannot reach them raise instead of
+vanishing."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_harness import run_ranks
+
+
+def _model():
+    import sharc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    sharc.shard(model)
+    return model
+
+
+def _writeback(rank, world):
+    import sharc
+
+    model = _model()
+    with sharc.unsharded(model, writeback=True):
+        nn.init.zeros_(model[0].bias)
+        model[2].weight.copy_(torch.arange(21.0).reshape(3, 7))
+        model[0].weight.data.fill_(0.5)
+        assert model[0].weight is model[0].weight  # one tensor per parameter inside
+        inside = sharc.memory_stats()["gathered_bytes"]
+    full = sharc.full_state_dict(model)
+    out = model(torch.ones(2, 5))  # forward sees the new values
+    return full, out, inside, sharc.memory_stats()["gathered_bytes"]
+
+
+def test_writeback_reaches_the_shards():
+    for full, out, inside, after in run_ranks(_writeback, 2):
+        assert torch.equal(full["0.bias"], torch.zeros(7))
+        assert torch.equal(full["0.weight"], torch.full((7, 5), 0.5))
+        assert torch.equal(full["2.weight"], torch.arange(21.0).reshape(3, 7))
+        hidden = torch.tanh(torch.full((2, 7), 2.5))
+        assert torch.allclose(out, hidden @ full["2.weight"].T + full["2.bias"])
+        assert inside == 0 and after == 0  # copies of their own, not the runtime's buffers
+
+
+def _errors(rank, world):
+    import sharc
+
+    errors = {}
+    model = _model()
+    try:
+        with sharc.unsharded(model):  # no writeback
+            nn.init.zeros_(model[0].bias)
+    except RuntimeError as e:
+        errors["no_writeback"] = str(e)
+    try:
+        nn.init.ones_(model[2].weight)  # outside forward: a copy, would be lost
+    except RuntimeError as e:
+        errors["outside"] = str(e)
+    logged = model[2].weight
+    errors["reads"] = (logged.norm().item() > 0, type(logged * 2) is torch.Tensor)
+    try:
+        with sharc.unsharded(model, writeback=True):
+            if rank == 1:
+                nn.init.zeros_(model[0].weight)  # one rank only
+    except RuntimeError as e:
+        errors["one_rank"] = str(e)
+    errors["unchanged"] = bool(sharc.full_state_dict(model)["0.weight"].abs().sum() > 0)
+    return errors
+
+
+def test_lost_or_diverging_writes_raise():
+    for errors in run_ranks(_errors, 2):
+        assert "'0.bias' was changed inside sharc.unsharded(model) without writeback=True" \
+            in errors["no_writeback"]
+        assert "'2.weight' read outside forward is a copy" in errors["outside"]
+        assert "fill_ on it would change the copy only" in errors["outside"]
+        assert errors["reads"] == (True, True)  # reading it works, results are tensors
+        assert "sharc.unsharded(model, writeback=True)" in errors["outside"]
+        assert "changed the parameters differently (first: '0.weight')" in errors["one_rank"]
+        assert errors["unchanged"]  # nothing written back
+
+
+def test_writeback_must_be_a_bool():
+    import sharc
+
+    with pytest.raises(TypeError, match="writeback must be a bool"):
+        with sharc.unsharded(nn.Linear(2, 2), writeback="yes"):
+            pass
