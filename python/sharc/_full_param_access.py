@@ -69,6 +69,18 @@ def refuse_deepcopy(what: str):
         "build a fresh model and load sharc.full_state_dict(model) into it")
 
 
+def _setattr(module: torch.nn.Module, name: str, value) -> None:
+    """Assigning a new tensor to a sharded name would leave the shard in
+    `parameters()` and the runtime gathering the old value: refused."""
+    refs = module.__dict__["_sharc"].refs
+    if name in refs and isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"sharc: cannot assign a new tensor to the sharded parameter '{refs[name].fqn}' "
+            "after sharc.shard(): change its values inside `with sharc.unsharded(model, "
+            "writeback=True): module.<name>.copy_(new)`, or replace it before shard()")
+    super(type(module), module).__setattr__(name, value)
+
+
 def _deepcopy(module: torch.nn.Module, memo):
     refuse_deepcopy(module._sharc_original_class.__name__)
 
@@ -79,6 +91,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs["_sharc_original_class"] = cls
     attrs["_apply"] = _apply
     attrs["__deepcopy__"] = _deepcopy
+    attrs["__setattr__"] = _setattr
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
 
 

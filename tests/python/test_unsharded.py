@@ -65,6 +65,10 @@ def _errors(rank, world):
                 nn.init.zeros_(model[0].weight)  # one rank only
     except RuntimeError as e:
         errors["one_rank"] = str(e)
+    try:
+        model[0].weight = nn.Parameter(torch.zeros(7, 5))
+    except RuntimeError as e:
+        errors["assign"] = str(e)
     errors["unchanged"] = bool(sharc.full_state_dict(model)["0.weight"].abs().sum() > 0)
     return errors
 
@@ -78,6 +82,8 @@ def test_lost_or_diverging_writes_raise():
         assert errors["reads"] == (True, True)  # reading it works, results are tensors
         assert "sharc.unsharded(model, writeback=True)" in errors["outside"]
         assert "changed the parameters differently (first: '0.weight')" in errors["one_rank"]
+        assert "cannot assign a new tensor to the sharded parameter '0.weight'" in \
+            errors["assign"]
         assert errors["unchanged"]  # nothing written back
 
 
