@@ -22,42 +22,24 @@ Prints a table of ratios to sharc compiled and writes it as JSON and Markdown.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
-import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import sharc
+from _common import (MODEL, Competitor, adamw, fresh_model, markdown, median_step_s,
+                     profiled_step, resident_bytes, step_peak_bytes, time_rounds, warm_up,
+                     write_results)
 from sharc.data import CharDataset
 from sharc.launch import launch
-from sharc.models.gpt import GPT, GPTConfig
 
 COMPETITORS = ["sharc compiled", "sharc compiled, 4 MiB gather buckets", "sharc eager",
                "FSDP2 eager", "FSDP2 compiled", "DDP eager", "DDP compiled"]
-MODEL = GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256)
-
-
-@dataclass
-class Competitor:
-    name: str
-    model: torch.nn.Module
-    step_fn: object
-    opt: torch.optim.Optimizer
-    error: str | None = None
-
-
-def _fresh_model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(MODEL)
 
 
 def _build(name: str) -> Competitor:
-    model = _fresh_model()
+    model = fresh_model()
     if name.startswith("sharc"):
         sharc.shard(model, dist.new_group())  # a runtime (and counters) of its own
         step_fn = model
@@ -76,49 +58,7 @@ def _build(name: str) -> Competitor:
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         step_fn = torch.compile(model) if name == "DDP compiled" else model
-    return Competitor(name, model, step_fn, torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-
-def _train_step(c: Competitor, x, y) -> float:
-    loss = c.step_fn(x, y)
-    loss.backward()
-    c.opt.step()
-    c.opt.zero_grad(set_to_none=True)
-    return loss.item()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _resident_bytes(c: Competitor) -> int:
-    """Parameters, gradients and optimizer state held by this rank."""
-    seen, total = set(), 0
-    tensors = [_local(p) for p in c.model.parameters()]
-    tensors += [_local(p.grad) for p in c.model.parameters() if p.grad is not None]
-    tensors += [_local(v) for s in c.opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
-def _step_peak_bytes(c: Competitor, x, y) -> int:
-    """Highest allocator level above the starting one during one step."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        _train_step(c, x, y)
-    # Every allocation and free the CPU allocator reported, in order.
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    level = peak = 0
-    for e in events:
-        level += e.nbytes()
-        peak = max(peak, level)
-    return peak
+    return Competitor(name, model, step_fn, adamw(model))
 
 
 def _rank_main(args) -> None:
@@ -146,42 +86,17 @@ def _rank_main(args) -> None:
 
 
 def _run_phase(names, results, batch, args) -> None:
-    competitors = []
-    for name in names:
-        c = _build(name)
-        start = time.perf_counter()
-        try:
-            losses = [_train_step(c, *batch(s)) for s in range(args.warmup)]
-        except Exception:  # noqa: BLE001  (a competitor that cannot run is reported)
-            c.error = traceback.format_exc().strip().splitlines()[-1][:160]
-            results[name] = {"error": c.error}
-            continue
-        results[name] = {"warmup_s": time.perf_counter() - start, "losses": losses}
-        competitors.append(c)
-    times = {c.name: [] for c in competitors}
-    _time_rounds(competitors, times, batch, args)
+    competitors = warm_up(names, _build, batch, args.warmup, results)
+    times = time_rounds(competitors, batch, args)
     for c in competitors:
         results[c.name].update(
-            step_s=statistics.median(times[c.name]),
-            resident_bytes=_resident_bytes(c),
-            step_peak_bytes=_step_peak_bytes(c, *batch(0)))
+            step_s=median_step_s(times[c.name]),
+            resident_bytes=resident_bytes(c),
+            step_peak_bytes=step_peak_bytes(profiled_step(c, *batch(0))))
         if c.name.startswith("sharc"):
             group = sharc.api.sharded_root(c.model).group
             results[c.name]["peak_gathered_bytes"] = sharc.memory_stats(group)[
                 "peak_gathered_bytes"]
-
-
-def _time_rounds(competitors, times, batch, args) -> None:
-    step = args.warmup
-    for _ in range(args.rounds):
-        for c in competitors:
-            for _ in range(args.steps_per_round):
-                x, y = batch(step)
-                dist.barrier()
-                t0 = time.perf_counter()
-                _train_step(c, x, y)
-                times[c.name].append(time.perf_counter() - t0)
-            step += 1  # every competitor sees the same batches
 
 
 def _report(per_rank: list[dict], args) -> None:
@@ -214,25 +129,11 @@ def _report(per_rank: list[dict], args) -> None:
             "sharc_compiled_peak_gathered_bytes": base.get("peak_gathered_bytes"),
             "sharc_eager_peak_gathered_bytes": per_rank[0].get("sharc eager", {}).get(
                 "peak_gathered_bytes")}
-    table = _markdown(rows)
+    table = markdown(rows, ["competitor", "step_ms", "step_time_ratio", "peak_MiB_per_rank",
+                            "peak_ratio", "resident_MiB", "warmup_s", "first_loss"])
     print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
-        f.write(f"Ratios are to sharc compiled (lower is better). {json.dumps(meta)}\n\n{table}\n")
-
-
-def _markdown(rows: list[dict]) -> str:
-    cols = ["competitor", "step_ms", "step_time_ratio", "peak_MiB_per_rank", "peak_ratio",
-            "resident_MiB", "warmup_s", "first_loss"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['competitor']} | did not run: {r['error']} |" + " |" * (len(cols) - 2))
-        else:
-            lines.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    return "\n".join(lines)
+    write_results(args.out, "compare", meta, rows,
+                  "Ratios are to sharc compiled (lower is better).", table)
 
 
 def main() -> None:

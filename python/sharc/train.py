@@ -7,6 +7,7 @@
 Every --log-every steps a JSON line (step, loss, tokens/s, per-rank memory)
 goes to RUN_DIR/metrics.jsonl, every --eval-every steps the validation loss
 too; a checkpoint is saved every --checkpoint-every steps and at the end.
+--dtype bf16 / fp16 trains in mixed precision (sharc.MixedPrecision).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from sharc.data import CharDataset
 from sharc.launch import configure_threads, launch
 from sharc.models.gpt import GPT, GPTConfig
 from sharc.run_dir import RunDir
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""--dtype's choices: the dtype parameters are gathered in and forward and
+backward compute in."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,6 +65,10 @@ class TrainConfig:
     """Characters of text generated at the end (0: none)."""
     plot: bool = False
     """Draw RUN_DIR/metrics.png at the end (sharc.plot)."""
+    dtype: str = dataclasses.field(default="fp32", metadata={"choices": tuple(DTYPES)})
+    """fp32, or mixed precision: bf16 / fp16 parameters gathered and computed
+    with, gradients reduced in fp32, shards and AdamW state kept in fp32
+    (sharc.MixedPrecision). fp16 also scales the loss (torch.amp.GradScaler)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_per_rank", "seq_len", "log_every", "eval_every",
@@ -68,6 +77,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.warmup_steps < 0 or self.sample_chars < 0:
             raise ValueError("--warmup-steps and --sample-chars must not be negative")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 def _parse(argv=None) -> tuple[TrainConfig, int, str | None]:
@@ -84,7 +95,12 @@ def _parse(argv=None) -> tuple[TrainConfig, int, str | None]:
             p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction,
                            help=f"default: {'on' if value else 'off'}")
         else:
-            p.add_argument(flag, type=type(value), default=None, help=f"default: {shown}")
+            # Choices are listed, not enforced here: TrainConfig checks them,
+            # also for a resumed run's saved config.
+            choices = field.metadata.get("choices")
+            extra = f"; one of {', '.join(choices)}" if choices else ""
+            p.add_argument(flag, type=type(value), default=None,
+                           help=f"default: {shown}{extra}")
     p.add_argument("--eager", dest="compile", action="store_false", default=None,
                    help="same as --no-compile")
     a = vars(p.parse_args(argv))
@@ -132,15 +148,61 @@ def evaluate(step_fn, data: CharDataset, cfg: TrainConfig) -> float:
     return _mean_over_ranks(total / cfg.eval_batches)
 
 
-def _build(cfg: TrainConfig, data: CharDataset):
+@dataclass
+class _Trainee:
+    """What trains: the sharded model, what runs its forward (the model or
+    its compiled wrapper), the optimizer, and with --dtype fp16 the loss
+    scaler."""
+
+    model: torch.nn.Module
+    step_fn: torch.nn.Module
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    skipped_steps: int = 0
+    """fp16 steps the scaler skipped (inf or NaN gradients) in this run."""
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        """Backward, then an optimizer step. With a scaler, the loss is
+        scaled first and a step whose gradients hold an inf or NaN is
+        skipped (and the scale lowered); sharc's reductions carry a
+        non-finite flag, so every rank sees it and skips alike."""
+        if self.scaler is None:
+            loss.backward()
+            self.opt.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.skipped_steps += self.scaler.get_scale() < scale
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _mixed_precision(cfg: TrainConfig) -> sharc.MixedPrecision | None:
+    if DTYPES[cfg.dtype] is torch.float32:
+        return None
+    return sharc.MixedPrecision(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
+
+
+def _dtype_text(cfg: TrainConfig) -> str:
+    if cfg.dtype == "fp32":
+        return "fp32"
+    return f"{cfg.dtype} mixed precision (fp32 shards and optimizer state)"
+
+
+def _build(cfg: TrainConfig, data: CharDataset) -> tuple[_Trainee, int, str]:
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq_len,
                           n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd))
     n_params = sum(p.numel() for p in model.parameters())
     savings = report.savings_line(model, dist.get_world_size())
-    sharc.shard(model)
+    sharc.shard(model, config=sharc.ShardConfig(mixed_precision=_mixed_precision(cfg)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return model, opt, n_params, savings
+    step_fn = torch.compile(model, backend="sharc") if cfg.compile else model
+    scaler = None
+    if cfg.dtype == "fp16":  # bf16 has fp32's exponent range: no scaling needed
+        scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
+    return _Trainee(model, step_fn, opt, scaler), n_params, savings
 
 
 def _run_dir(cfg: TrainConfig) -> RunDir:
@@ -159,7 +221,7 @@ class _Interval:
     """Loss, tokens and training time since the last log line."""
 
     def __init__(self):
-        self.losses: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []  # fp32 whatever the compute dtype
         self.seconds = 0.0
 
     def take(self) -> tuple[torch.Tensor, float]:
@@ -173,28 +235,30 @@ def train(cfg: TrainConfig, resume: bool = False) -> None:
     configure_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")  # DCP's own
     data = CharDataset()
-    model, opt, n_params, savings = _build(cfg, data)
-    step_fn = torch.compile(model, backend="sharc") if cfg.compile else model
+    t, n_params, savings = _build(cfg, data)
     run = _run_dir(cfg)
-    start = _resume(run, step_fn, opt) if resume else {"step": 0, "train_seconds": 0.0}
+    start = _resume(run, t) if resume else {"step": 0, "train_seconds": 0.0}
     if rank == 0:
         print(f"sharc: {n_params / 1e6:.2f}M parameters, {world} ranks "
               f"({dist.get_backend()}), {cfg.batch_per_rank}x{cfg.seq_len} tokens per rank, "
-              f"{'compiled' if cfg.compile else 'eager'}; run directory {run.path}", flush=True)
+              f"{'compiled' if cfg.compile else 'eager'}; {_dtype_text(cfg)}; "
+              f"run directory {run.path}", flush=True)
         print(savings, flush=True)
-    last = _loop(cfg, run, data, model, step_fn, opt, start)
-    _finish(cfg, run, data, model, opt, last)
+    last = _loop(cfg, run, data, t, start)
+    _finish(cfg, run, data, t, last)
 
 
-def _resume(run: RunDir, step_fn, opt) -> dict:
+def _resume(run: RunDir, t: _Trainee) -> dict:
     step, path = run.latest_checkpoint()
-    extra = sharc.load_checkpoint(path, step_fn, opt)
+    extra = sharc.load_checkpoint(path, t.step_fn, t.opt)
+    if t.scaler is not None and "grad_scaler" in extra:  # absent: the run was not fp16
+        t.scaler.load_state_dict(extra["grad_scaler"])
     if dist.get_rank() == 0:
         print(f"sharc: resumed from {path} at step {extra['step']}", flush=True)
     return extra
 
 
-def _loop(cfg, run, data, model, step_fn, opt, start: dict) -> dict:
+def _loop(cfg, run, data, t: _Trainee, start: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens_per_step = cfg.batch_per_rank * cfg.seq_len * world
     bar = _progress(rank, start["step"], cfg.steps)
@@ -202,29 +266,27 @@ def _loop(cfg, run, data, model, step_fn, opt, start: dict) -> dict:
     record, first_loss = {"step": start["step"]}, None
     for step in range(start["step"], cfg.steps):
         t0 = time.perf_counter()
-        for group in opt.param_groups:
+        for group in t.opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         x, y = data.rank_batch(step, cfg.batch_per_rank, cfg.seq_len, rank, world, cfg.seed,
                                split="train")
-        loss = step_fn(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        interval.losses.append(loss.detach())
+        loss = t.step_fn(x, y)
+        t.backward_and_step(loss)
+        interval.losses.append(loss.detach().float())
         interval.seconds += time.perf_counter() - t0
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
-            record = _log(opt, interval, done, tokens_per_step, comm)
+            record = _log(t, interval, done, tokens_per_step, comm)
             first_loss = record["loss"] if first_loss is None else first_loss
             train_seconds += record["interval_seconds"]
             record["train_seconds"] = train_seconds
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                record["val_loss"] = evaluate(step_fn, data, cfg)
+                record["val_loss"] = evaluate(t.step_fn, data, cfg)
             if rank == 0:
                 run.append_metrics(record)
                 bar.set_postfix_str(_postfix(record))
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            _checkpoint(cfg, run, step_fn, opt, done, train_seconds)
+            _checkpoint(cfg, run, t, done, train_seconds)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -249,15 +311,19 @@ class _Comm:
             self.peaks[m["rank"]] = max(self.peaks.get(m["rank"], 0), m["peak_gathered_bytes"])
 
 
-def _log(opt, interval: _Interval, done: int, tokens_per_step: int, comm: _Comm) -> dict:
+def _log(t: _Trainee, interval: _Interval, done: int, tokens_per_step: int,
+         comm: _Comm) -> dict:
     steps = len(interval.losses)  # fewer than log_every right after a resume
     loss, seconds = interval.take()
-    memory = report.all_rank_memory(opt)  # collective: every rank takes part
+    memory = report.all_rank_memory(t.opt)  # collective: every rank takes part
     comm.add(memory)
     sharc.reset_memory_stats()
-    return {"step": done, "loss": _mean_over_ranks(loss), "lr": opt.param_groups[0]["lr"],
-            "tokens_per_s": steps * tokens_per_step / max(seconds, 1e-9),
-            "interval_seconds": seconds, "memory": memory}
+    record = {"step": done, "loss": _mean_over_ranks(loss), "lr": t.opt.param_groups[0]["lr"],
+              "tokens_per_s": steps * tokens_per_step / max(seconds, 1e-9),
+              "interval_seconds": seconds, "memory": memory}
+    if t.scaler is not None:
+        record["loss_scale"] = t.scaler.get_scale()
+    return record
 
 
 def _postfix(record: dict) -> str:
@@ -269,17 +335,19 @@ def _postfix(record: dict) -> str:
     return f"{text} | {record['tokens_per_s']:,.0f} tok/s | mem {mem}"
 
 
-def _checkpoint(cfg, run: RunDir, step_fn, opt, done: int, train_seconds: float) -> None:
+def _checkpoint(cfg, run: RunDir, t: _Trainee, done: int, train_seconds: float) -> None:
     # The data order is a pure function of (seed, step): the step is the data position.
-    sharc.save_checkpoint(run.checkpoint(done), step_fn, opt,
-                          extra={"step": done, "data_step": done, "train_seconds": train_seconds})
+    extra = {"step": done, "data_step": done, "train_seconds": train_seconds}
+    if t.scaler is not None:  # a few numbers, JSON as they are
+        extra["grad_scaler"] = t.scaler.state_dict()
+    sharc.save_checkpoint(run.checkpoint(done), t.step_fn, t.opt, extra=extra)
     if dist.get_rank() == 0:
         run.prune_checkpoints(cfg.keep_checkpoints)
 
 
-def _finish(cfg, run: RunDir, data: CharDataset, model, opt, last: dict) -> None:
-    sample = _sample(cfg, data, model) if cfg.sample_chars else None
-    memory = report.all_rank_memory(opt)
+def _finish(cfg, run: RunDir, data: CharDataset, t: _Trainee, last: dict) -> None:
+    sample = _sample(cfg, data, t.model) if cfg.sample_chars else None
+    memory = report.all_rank_memory(t.opt)
     if dist.get_rank() != 0:
         return
     if sample is not None:
@@ -292,7 +360,11 @@ def _finish(cfg, run: RunDir, data: CharDataset, model, opt, last: dict) -> None
     if "loss" in last:
         print(f"sharc: loss {last['first_loss']:.4f} -> {last['loss']:.4f} in "
               f"{last['steps_run']} steps (step {last['step']}), val loss "
-              f"{last['val_loss']:.4f}, {last['train_seconds']:.1f}s training", flush=True)
+              f"{last['val_loss']:.4f}, {last['train_seconds']:.1f}s training, {cfg.dtype}",
+              flush=True)
+    if t.scaler is not None:
+        print(f"sharc: fp16 loss scaling: {t.skipped_steps} of {last['steps_run']} steps "
+              f"skipped for inf/NaN gradients, final scale {t.scaler.get_scale():g}", flush=True)
     if cfg.plot:
         from sharc.plot import plot_run
 
