@@ -41,7 +41,11 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
 
     # Caches are keyed by graphs before sharc rewrites them, and what sharc
     # bakes in (group names, parameter ids, buckets) is per process.
+    # Inductor's peak-memory reordering cannot see the runtime's gathered
+    # buffers: it hoisted every start_gather (inputs: shards only) to the top
+    # of a graph, gathering the whole model at once; sharc's passes order them.
     with inductor_config.patch(joint_custom_post_pass=RecomputeGathers(),
+                               reorder_for_peak_memory=False,
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner)
