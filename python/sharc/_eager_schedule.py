@@ -96,7 +96,7 @@ class GatherUnit:
 
     def gather(self) -> None:
         """Blocking: one bucketed all-gather, one hold on each parameter."""
-        self.runtime.start_gather_bucket(self.ids)
+        self.runtime.start_gather(self.ids)
         self.runtime.wait_gather(self.ids)
 
     def reduce(self) -> None:

@@ -16,6 +16,7 @@ const char* to_string(NodeKind kind) {
     case NodeKind::Wait: return "wait";
     case NodeKind::Release: return "release";
     case NodeKind::ReduceScatter: return "reduce_scatter";
+    case NodeKind::WaitReduce: return "wait_reduce";
     case NodeKind::Output: return "output";
   }
   return "unknown";
@@ -27,6 +28,7 @@ const char* to_string(Rule rule) {
     case Rule::GathersInserted: return "gathers inserted";
     case Rule::WaitsFollowGathers: return "each wait right after its gather";
     case Rule::GradientsReduced: return "gradients reduced";
+    case Rule::ReductionsWaited: return "reductions waited";
   }
   return "unknown";
 }
@@ -95,7 +97,8 @@ int64_t param_id(const std::string& token, int lineno) {
 
 NodeKind kind_of(const std::string& word, int lineno) {
   for (NodeKind k : {NodeKind::Input, NodeKind::Compute, NodeKind::Gather, NodeKind::Wait,
-                     NodeKind::Release, NodeKind::ReduceScatter, NodeKind::Output}) {
+                     NodeKind::Release, NodeKind::ReduceScatter, NodeKind::WaitReduce,
+                     NodeKind::Output}) {
     if (word == to_string(k)) return k;
   }
   throw Error(detail::concat("sharc ir line ", lineno, ": unknown node kind '", word, "'"));

@@ -72,9 +72,13 @@ class Verifier {
       case NodeKind::Wait: visit_wait(index, n); break;
       case NodeKind::Release: visit_release(index, n); break;
       case NodeKind::ReduceScatter: visit_reduce(index, n); break;
+      case NodeKind::WaitReduce: visit_wait_reduce(index, n); break;
       case NodeKind::Compute:
       case NodeKind::Output:
         for (const Operand& o : n.operands) use(index, o);
+        if (n.kind == NodeKind::Output) {
+          for (const Operand& o : n.operands) returned_.insert(o.value);
+        }
         if (n.grad_of) gradients_[n.outputs.empty() ? "" : n.outputs[0]] = *n.grad_of;
         if (n.grad_of) reductions_.emplace(*n.grad_of, 0);
         break;
@@ -173,6 +177,11 @@ class Verifier {
   }
 
   void visit_reduce(size_t index, const Node& n) {
+    if (n.outputs.size() != 1) {
+      fail(index, "must define exactly one value, the token its wait_reduce waits on");
+    } else {
+      reductions_in_flight_[n.outputs[0]] = n.params;
+    }
     if (n.params.size() != n.operands.size()) {
       fail(index, "reduces ", n.operands.size(), " values for ", n.params.size(), " parameters");
       return;
@@ -188,6 +197,56 @@ class Verifier {
     }
   }
 
+  // A wait_reduce names its reduction only; it yields the shard gradients of
+  // the reduction's parameters, in order.
+  void visit_wait_reduce(size_t index, const Node& n) {
+    if (!n.params.empty()) fail(index, "names parameters; its reduction names them");
+    if (n.operands.size() != 1 || n.operands[0].is_param()) {
+      fail(index, "must wait on exactly one reduction (a reduce_scatter's token)");
+      return;
+    }
+    const std::string& token = n.operands[0].value;
+    auto reduction = reductions_in_flight_.find(token);
+    if (reduction == reductions_in_flight_.end()) {
+      if (waited_reductions_.count(token)) {
+        fail(index, "waits on %", token, " again; each reduction is waited on once");
+      } else if (!defined_.count(token)) {
+        fail(index, "waits on %", token, " before it is defined; a wait_reduce follows its "
+             "reduce_scatter");
+      } else {
+        fail(index, "waits on %", token, ", which is not a reduce_scatter's token");
+      }
+      return;
+    }
+    const std::vector<int64_t> params = reduction->second;
+    reductions_in_flight_.erase(reduction);
+    waited_reductions_.insert(token);
+    if (n.outputs.size() != params.size()) {
+      fail(index, "yields ", n.outputs.size(), " values for ", params.size(), " parameters");
+    }
+    for (size_t i = 0; i < params.size() && i < n.outputs.size(); ++i) {
+      shard_grads_[n.outputs[i]] = params[i];
+    }
+  }
+
+  // Every reduction is waited on and its shard gradients leave the graph:
+  // a reduction nobody waits on never delivers, and one whose gradients the
+  // output does not read delivers nothing.
+  void check_reductions_waited() {
+    for (const auto& [token, params] : reductions_in_flight_) {
+      std::string listing;
+      for (int64_t p : params) listing += detail::concat(listing.empty() ? "@" : " @", p);
+      errors_.push_back(detail::concat("reduction %", token, " (", listing,
+                                       ") is never waited on; wait_reduce it before the output"));
+    }
+    for (const auto& [value, p] : shard_grads_) {
+      if (!returned_.count(value)) {
+        errors_.push_back(detail::concat("shard gradient %", value, " of @", p,
+                                         " is not read by the output"));
+      }
+    }
+  }
+
   void finish() {
     for (int64_t p : in_flight_) {
       errors_.push_back(detail::concat("parameter @", p, " is gathered but never waited on"));
@@ -195,6 +254,7 @@ class Verifier {
     for (int64_t p : live_) {
       errors_.push_back(detail::concat("parameter @", p, " is gathered but never released"));
     }
+    if (options_.demands(Rule::ReductionsWaited)) check_reductions_waited();
     if (!options_.demands(Rule::GradientsReduced)) return;
     for (const auto& [p, count] : reductions_) {
       if (count != 1) {
@@ -213,6 +273,10 @@ class Verifier {
   std::map<std::string, int64_t> full_values_;           // wait output -> param
   std::map<std::string, int64_t> gradients_;             // gradient value -> param
   std::map<int64_t, int> reductions_;                    // param -> reductions
+  std::map<std::string, std::vector<int64_t>> reductions_in_flight_;  // token -> params
+  std::set<std::string> waited_reductions_;                           // tokens waited on
+  std::map<std::string, int64_t> shard_grads_;  // wait_reduce output -> param
+  std::set<std::string> returned_;              // values the output reads
   std::map<int64_t, std::set<size_t>> users_;  // param -> nodes that used it since its wait
   std::set<int64_t> in_flight_;
   std::set<int64_t> live_;

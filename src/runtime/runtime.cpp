@@ -121,7 +121,7 @@ void Runtime::claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype) {
 
 // The cast happens here, on the shard: the collective sends `dtype`'s bytes.
 void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype) {
-  RECORD_FUNCTION("sharc::all_gather", std::vector<c10::IValue>());
+  RECORD_FUNCTION("sharc::start_gather", std::vector<c10::IValue>());
   auto gather = std::make_shared<GatherInFlight>();
   std::vector<at::Tensor> inputs;
   int64_t row = 0;
@@ -168,8 +168,8 @@ void Runtime::finish_gather_locked(GatherInFlight& gather) {
   }
 }
 
-void Runtime::start_gather_bucket(const std::vector<int64_t>& ids,
-                                  std::optional<c10::ScalarType> dtype) {
+void Runtime::start_gather(const std::vector<int64_t>& ids,
+                           std::optional<c10::ScalarType> dtype) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Those needing a gather, grouped by dtype in first-seen order: a
   // collective carries one dtype.
@@ -273,29 +273,27 @@ at::Tensor Runtime::pad_grad(const ShardedParam& p, const at::Tensor& full_grad)
 }
 
 at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
-  start_reduce_scatter({id}, {full_grad});
-  return finish_reduce_scatter({id})[0];
+  return wait_reduce_scatter(start_reduce_scatter({id}, {full_grad}))[0];
 }
 
-void Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
-                                   const std::vector<at::Tensor>& full_grads) {
-  RECORD_FUNCTION("sharc::reduce_scatter", std::vector<c10::IValue>());
-  SHARC_CHECK(ids.size() == full_grads.size() && !ids.empty(), "sharc: reduce_scatter got ",
-              ids.size(), " parameters and ", full_grads.size(), " gradients");
+int64_t Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
+                                      const std::vector<at::Tensor>& full_grads) {
+  SHARC_CHECK(ids.size() == full_grads.size() && !ids.empty(),
+              "sharc: start_reduce_scatter got ", ids.size(), " parameters and ",
+              full_grads.size(), " gradients");
   std::lock_guard<std::mutex> lock(mutex_);
-  SHARC_CHECK(!reductions_.count(ids[0]), "sharc: a reduce-scatter of '", param(ids[0]).name,
-              "' is already in flight; finish it before starting another");
   std::vector<bool> held;
   for (int64_t id : ids) held.push_back(!gradient_sync_ || param(id).deferred);
-  start_reduction_locked(ids, full_grads, held);
+  return start_reduce_scatter_locked(ids, full_grads, held);
 }
 
 // One collective for the gradients not held back; held ones go to their
 // parameters' buffers and come back as zero shard gradients, so every rank
-// still sees the same start/finish calls.
-void Runtime::start_reduction_locked(const std::vector<int64_t>& ids,
-                                     const std::vector<at::Tensor>& full_grads,
-                                     const std::vector<bool>& held) {
+// still sees the same start and wait calls.
+int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
+                                             const std::vector<at::Tensor>& full_grads,
+                                             const std::vector<bool>& held) {
+  RECORD_FUNCTION("sharc::start_reduce_scatter", std::vector<c10::IValue>());
   const int64_t world = comm_.world_size();
   PendingReduction pending;
   // One collective in the widest reduce dtype of the bucket; each result is
@@ -323,7 +321,7 @@ void Runtime::start_reduction_locked(const std::vector<int64_t>& ids,
   } else {
     // Rank-major input: row r holds rank r's slice of every gradient, and
     // one more column saying whether this rank's gradients hold a non-finite
-    // value, so every rank learns it (see finish_reduce_scatter). The input
+    // value, so every rank learns it (see wait_reduce_scatter). The input
     // is kept alive with the work: the collective reads it until done.
     at::Tensor grid = rows.size() == 1 ? rows[0] : at::cat(rows, 1);
     at::Tensor nonfinite = at::isfinite(grid).all().logical_not().to(bucket_dtype);
@@ -332,19 +330,23 @@ void Runtime::start_reduction_locked(const std::vector<int64_t>& ids,
     pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
   }
-  reductions_.emplace(ids[0], std::move(pending));
+  const int64_t token = next_reduction_token_++;
+  reductions_.emplace(token, std::move(pending));
+  return token;
 }
 
-std::vector<at::Tensor> Runtime::finish_reduce_scatter(const std::vector<int64_t>& ids) {
+std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
   RECORD_FUNCTION("sharc::wait_reduce_scatter", std::vector<c10::IValue>());
   PendingReduction pending;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = ids.empty() ? reductions_.end() : reductions_.find(ids[0]);
-    SHARC_CHECK(it != reductions_.end(), "sharc: no reduce-scatter in flight for these ",
-                ids.size(), " parameters; start it before waiting on it");
-    SHARC_CHECK(it->second.widths.size() == ids.size(), "sharc: the reduce-scatter in flight "
-                "serves ", it->second.widths.size(), " parameters, not ", ids.size());
+    auto it = reductions_.find(token);
+    SHARC_CHECK(token >= 0 && token < next_reduction_token_, "sharc: no reduce-scatter has "
+                "token ", token, " in group '", comm_.group_name(), "' (", next_reduction_token_,
+                " handed out); wait on the token start_reduce_scatter returned");
+    SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
+                " in group '", comm_.group_name(), "' was waited on already; each reduction "
+                "is waited on once");
     pending = std::move(it->second);
     reductions_.erase(it);
   }
@@ -412,6 +414,7 @@ void Runtime::set_deferred_reduction(int64_t id, bool deferred) {
 std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
   RECORD_FUNCTION("sharc::flush_unit", std::vector<c10::IValue>());
   SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");
+  int64_t token = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // What backward held back, taken over as it is; zeros where nothing was.
@@ -426,9 +429,9 @@ std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
         grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.spec.reduce_dtype)));
       }
     }
-    start_reduction_locked(ids, grads, std::vector<bool>(ids.size(), false));
+    token = start_reduce_scatter_locked(ids, grads, std::vector<bool>(ids.size(), false));
   }
-  return finish_reduce_scatter(ids);
+  return wait_reduce_scatter(token);
 }
 
 at::Tensor Runtime::hand_out(ShardedParam& p) {

@@ -16,17 +16,12 @@ c10::intrusive_ptr<Runtime> for_group(std::string group_name) {
   return RuntimeTable::instance().get_or_create(group_name);
 }
 
-void forget_group(std::string group_name) {
-  RuntimeTable::instance().forget(group_name);
-}
-
 }  // namespace
 }  // namespace sharc
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.class_<sharc::Runtime>("Runtime")
       .def_static("for_group", &sharc::for_group)
-      .def_static("forget_group", &sharc::forget_group)
       .def("register_param", &sharc::Runtime::register_param)
       .def("shard", &sharc::Runtime::shard)
       .def("load_full", &sharc::Runtime::load_full)
@@ -37,23 +32,16 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("set_spec", &sharc::Runtime::set_spec)
-      .def("gather_dtype",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t id) {
-             return self->spec(id).gather_dtype;
-           })
       .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
       .def("flush_unit", &sharc::Runtime::flush_unit)
-      .def("start_gather_bucket",
+      .def("start_gather",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, std::vector<int64_t> ids) {
-             self->start_gather_bucket(ids);  // each in its gather dtype
+             self->start_gather(ids);  // each in its gather dtype
            })
       .def("wait_gather", &sharc::Runtime::wait_gather)
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)
       .def("stats", &sharc::Runtime::stats)
-      .def("reset_stats", &sharc::Runtime::reset_stats)
-      .def("rank", [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->rank(); })
-      .def("world_size",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self) { return self->world_size(); });
+      .def("reset_stats", &sharc::Runtime::reset_stats);
 }

@@ -36,9 +36,4 @@ void RuntimeTable::forget_destroyed_locked() {
   }
 }
 
-void RuntimeTable::forget(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  runtimes_.erase(group_name);
-}
-
 }  // namespace sharc

@@ -12,12 +12,16 @@
 //       Drops the hold; the last one frees the buffer's bytes in place, so
 //       references a compiler keeps until its graph ends hold no memory.
 //       `after` (the last user's outputs) ties the release to that use.
-//   reduce_scatter_start(grads, group, params) -> token
+//   start_reduce_scatter(grads, group, params) -> token
 //       Non-blocking reduce-scatter of several gradients in one collective.
-//   reduce_scatter_wait(token, group, params) -> shard grads
-//       Waits for it; each parameter's flat shard gradient, averaged.
+//       The token is a one-element int64 tensor on the gradients' device
+//       holding the runtime's token for the reduction.
+//   wait_reduce_scatter(token, group, params) -> shard grads
+//       Waits for the reduction of `token`; each parameter's flat shard
+//       gradient, averaged. A token waited on already is an error.
 //
-// start_gather, release and reduce_scatter_start are registered as side-effecting in Python
+// Each op calls the Runtime method of its name. start_gather, release and
+// start_reduce_scatter are registered as side-effecting in Python
 // (sharc/_compile/ops.py) so neither FX nor Inductor drops them.
 
 #include <ATen/ATen.h>
@@ -35,7 +39,7 @@ at::Tensor start_gather_kernel(at::TensorList shards, const std::string& group,
   SHARC_CHECK(shards.size() == params.size() && !params.empty(), "sharc: start_gather got ",
               shards.size(), " shards for ", params.size(), " parameters");
   for (size_t i = 0; i < params.size(); ++i) runtime->check_shard(params[i], shards[i]);
-  runtime->start_gather_bucket(params.vec(), dtype);
+  runtime->start_gather(params.vec(), dtype);
   return at::empty({0}, shards[0].options());
 }
 
@@ -70,24 +74,37 @@ void release_kernel(const at::Tensor& full, at::TensorList after, const std::str
 void release_meta(const at::Tensor& full, at::TensorList after, const std::string& group,
                   int64_t param) {}
 
-at::Tensor reduce_scatter_start_kernel(at::TensorList grads, const std::string& group,
-                                      c10::IntArrayRef params) {
-  RuntimeTable::instance().get(group)->start_reduce_scatter(params.vec(), grads.vec());
-  return at::empty({0}, grads[0].options());
+// The token lives on the gradients' device: a compiler's fake tensors give an
+// op's outputs its inputs' device, so a host token would be mislabelled.
+// Reading it back in the wait is free on the CPU; on CUDA it would make the
+// host wait for the device (the CUDA path has not been run yet).
+at::Tensor start_reduce_scatter_kernel(at::TensorList grads, const std::string& group,
+                                       c10::IntArrayRef params) {
+  SHARC_CHECK(!grads.empty(), "sharc: start_reduce_scatter got no gradients");
+  const int64_t token =
+      RuntimeTable::instance().get(group)->start_reduce_scatter(params.vec(), grads.vec());
+  return at::full({1}, token, grads[0].options().dtype(at::kLong));
 }
 
-at::Tensor reduce_scatter_start_meta(at::TensorList grads, const std::string& group,
-                                    c10::IntArrayRef params) {
-  return at::empty({0}, grads[0].options().device(c10::kMeta));
+at::Tensor start_reduce_scatter_meta(at::TensorList grads, const std::string& group,
+                                     c10::IntArrayRef params) {
+  return at::empty({1}, grads[0].options().dtype(at::kLong).device(c10::kMeta));
 }
 
-std::vector<at::Tensor> reduce_scatter_wait_kernel(const at::Tensor& token,
+std::vector<at::Tensor> wait_reduce_scatter_kernel(const at::Tensor& token,
                                                    const std::string& group,
                                                    c10::IntArrayRef params) {
-  return RuntimeTable::instance().get(group)->finish_reduce_scatter(params.vec());
+  SHARC_CHECK(token.numel() == 1 && token.scalar_type() == at::kLong, "sharc: "
+              "wait_reduce_scatter takes the token start_reduce_scatter returned, not a ",
+              token.scalar_type(), " tensor of ", token.numel(), " elements");
+  std::vector<at::Tensor> shards =
+      RuntimeTable::instance().get(group)->wait_reduce_scatter(token.item<int64_t>());
+  SHARC_CHECK(shards.size() == params.size(), "sharc: the reduce-scatter of this token serves ",
+              shards.size(), " parameters, not ", params.size(), "; this is a sharc bug");
+  return shards;
 }
 
-std::vector<at::Tensor> reduce_scatter_wait_meta(const at::Tensor& token,
+std::vector<at::Tensor> wait_reduce_scatter_meta(const at::Tensor& token,
                                                  const std::string& group,
                                                  c10::IntArrayRef params) {
   auto runtime = RuntimeTable::instance().get(group);
@@ -106,16 +123,16 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.def("start_gather(Tensor[] shards, str group, int[] params, ScalarType dtype) -> Tensor");
   m.def("wait_gather(Tensor token, str group, int[] params, ScalarType dtype) -> Tensor[]");
   m.def("release(Tensor full, Tensor[] after, str group, int param) -> ()");
-  m.def("reduce_scatter_start(Tensor[] grads, str group, int[] params) -> Tensor");
-  m.def("reduce_scatter_wait(Tensor token, str group, int[] params) -> Tensor[]");
+  m.def("start_reduce_scatter(Tensor[] grads, str group, int[] params) -> Tensor");
+  m.def("wait_reduce_scatter(Tensor token, str group, int[] params) -> Tensor[]");
 }
 
 #define SHARC_SCHEDULE_KERNELS(suffix)                                      \
   m.impl("start_gather", sharc::start_gather_##suffix);                    \
   m.impl("wait_gather", sharc::wait_gather_##suffix);                      \
   m.impl("release", sharc::release_##suffix);                              \
-  m.impl("reduce_scatter_start", sharc::reduce_scatter_start_##suffix);   \
-  m.impl("reduce_scatter_wait", sharc::reduce_scatter_wait_##suffix);
+  m.impl("start_reduce_scatter", sharc::start_reduce_scatter_##suffix);   \
+  m.impl("wait_reduce_scatter", sharc::wait_reduce_scatter_##suffix);
 
 TORCH_LIBRARY_IMPL(sharc, CPU, m) { SHARC_SCHEDULE_KERNELS(kernel) }
 TORCH_LIBRARY_IMPL(sharc, CUDA, m) { SHARC_SCHEDULE_KERNELS(kernel) }

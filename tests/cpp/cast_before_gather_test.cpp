@@ -314,7 +314,9 @@ output %y
   expect_not_fused(R"(
 param @0 "w" bytes=64 dtype=float32
 %wb = compute "convert" @0 bytes=32 cast=bfloat16 grad=@0
-reduce_scatter @0 %wb
+%r = reduce_scatter @0 %wb
+%dw = wait_reduce %r
+output %dw
 )");
 }
 

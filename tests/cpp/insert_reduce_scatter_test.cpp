@@ -21,6 +21,9 @@ param @2 "c" bytes=200
 output %t
 )";
 
+// The reductions are in, not yet waited on (place_reduce_waits' job).
+const VerifyOptions kBeforeWaits = VerifyOptions::complete().waive(Rule::ReductionsWaited);
+
 TEST(InsertReduceScatter, BucketsSmallGradientsAndPlacesAfterLastProducer) {
   auto pass = make_insert_reduce_scatter(/*bucket_bytes=*/100);
   int64_t rewrites = 0;
@@ -33,13 +36,13 @@ param @2 "c" bytes=200
 %da = compute "g" %dy bytes=40 grad=@0
 %t = compute "t" %dy bytes=16
 %db = compute "g" %t bytes=40 grad=@1
-reduce_scatter @0 @1 %da %db
+%sharc_reduce_0 = reduce_scatter @0 @1 %da %db
 %dc = compute "g" %t bytes=200 grad=@2
-reduce_scatter @2 %dc
+%sharc_reduce_2 = reduce_scatter @2 %dc
 output %t
 )"));
   EXPECT_EQ(rewrites, 2);
-  EXPECT_TRUE(verify(parse(out)).empty());
+  EXPECT_TRUE(verify(parse(out), kBeforeWaits).empty());
 }
 
 TEST(InsertReduceScatter, TinyBucketsReduceEachGradientAlone) {
@@ -47,9 +50,14 @@ TEST(InsertReduceScatter, TinyBucketsReduceEachGradientAlone) {
   int64_t rewrites = 0;
   const std::string out = run_pass(*pass, kBackward, &rewrites);
   EXPECT_EQ(rewrites, 3);
-  EXPECT_NE(out.find("%da = compute \"g\" %dy bytes=40 grad=@0\nreduce_scatter @0 %da\n"),
+  EXPECT_NE(out.find("%da = compute \"g\" %dy bytes=40 grad=@0\n"
+                     "%sharc_reduce_0 = reduce_scatter @0 %da\n"),
             std::string::npos) << out;
-  EXPECT_TRUE(verify(parse(out)).empty());
+  EXPECT_TRUE(verify(parse(out), kBeforeWaits).empty());
+  const auto unwaited = verify(parse(out));
+  ASSERT_EQ(unwaited.size(), 3u);
+  EXPECT_EQ(unwaited[0], "reduction %sharc_reduce_0 (@0) is never waited on; wait_reduce it "
+                         "before the output");
 }
 
 TEST(InsertReduceScatter, Contract) {

@@ -44,7 +44,7 @@ const std::vector<std::string> kCorpus = {
     "param @0 \"w\" bytes=16\n"
     "%saved = input param=@0\n"
     "%dw = compute \"mm\" %saved @0 bytes=16 grad=@0\n"
-    "reduce_scatter @0 %dw\n",
+    "%r = reduce_scatter @0 %dw\n",
     "param @0 \"w\" bytes=64\n"
     "param @1 \"b\" bytes=8\n"
     "%x = input bytes=16\n"
@@ -52,8 +52,9 @@ const std::vector<std::string> kCorpus = {
     "%z = compute \"add\" %y @1 @0 bytes=16\n"
     "%dw = compute \"mm_grad\" %x %z bytes=64 grad=@0\n"
     "%db = compute \"sum\" %z bytes=8 grad=@1\n"
-    "reduce_scatter @0 @1 %dw %db\n"
-    "output %z @1\n",
+    "%r = reduce_scatter @0 @1 %dw %db\n"
+    "%sw, %sb = wait_reduce %r\n"
+    "output %z @1 %sw %sb\n",
     "param @0 \"w\" dtype=float32 bytes=64\n"
     "param @1 \"b\" bytes=8 dtype=bfloat16\n"
     "%x = input bytes=16\n"
@@ -72,7 +73,8 @@ const std::vector<std::string> kFragments = {
     "@99999999999999999999", "@x", "@", "bytes=", "bytes=-4", "bytes=1e3", "bytes=lots",
     "bytes=99999999999999999999", "cost=", "cost=nan", "cost=1e999", "cost=-0", "grad=",
     "grad=@0", "grad=x", "param=", "param=@1", "param=@", "after", "input", "compute",
-    "gather", "wait", "release", "reduce_scatter", "output", "param", "\"op\"", "\"\"",
+    "gather", "wait", "release", "reduce_scatter", "wait_reduce", "%r", "output", "param",
+    "\"op\"", "\"\"",
     "\"unterminated", "==", "%a, %b =", "= input", "frobnicate", "\xff\xfe", std::string(1, '\0'),
     "dtype=", "dtype=float32", "dtype=bfloat16", "dtype=int8", "dtype=odd_type", "dtype=@0",
     "cast=", "cast=bfloat16", "cast=float16", "cast=float64", "cast=%x", "cast=8bit",

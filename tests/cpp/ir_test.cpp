@@ -57,7 +57,7 @@ TEST(IrText, DirectParameterReadsAndGradients) {
       "param @0 \"w\" bytes=16\n"
       "%saved = input param=@0\n"
       "%dw = compute \"mm\" %saved @0 bytes=16 grad=@0\n"
-      "reduce_scatter @0 %dw\n");
+      "%r = reduce_scatter @0 %dw\n");
   EXPECT_EQ(g.nodes[0].params, (std::vector<int64_t>{0}));
   EXPECT_TRUE(g.nodes[1].operands[1].is_param());
   EXPECT_EQ(*g.nodes[1].grad_of, 0);
@@ -65,7 +65,31 @@ TEST(IrText, DirectParameterReadsAndGradients) {
             "param @0 \"w\" bytes=16\n"
             "%saved = input param=@0\n"
             "%dw = compute \"mm\" %saved @0 bytes=16 grad=@0\n"
-            "reduce_scatter @0 %dw\n");
+            "%r = reduce_scatter @0 %dw\n");
+}
+
+TEST(IrText, ReductionsAndTheirWaits) {
+  const char* text =
+      "param @0 \"w\" bytes=16\n"
+      "param @1 \"b\" bytes=4\n"
+      "%x = input bytes=4\n"
+      "%dw = compute \"mm\" %x bytes=16 grad=@0\n"
+      "%db = compute \"sum\" %x bytes=4 grad=@1\n"
+      "%r = reduce_scatter @0 @1 %dw %db\n"
+      "%sw, %sb = wait_reduce %r\n"
+      "output %x %sw %sb\n";
+  const Graph g = parse(text);
+  EXPECT_EQ(g.nodes[3].kind, NodeKind::ReduceScatter);
+  EXPECT_EQ(g.nodes[3].outputs, (std::vector<std::string>{"r"}));
+  EXPECT_EQ(g.nodes[3].params, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(g.nodes[4].kind, NodeKind::WaitReduce);
+  EXPECT_STREQ(to_string(g.nodes[4].kind), "wait_reduce");
+  EXPECT_EQ(g.nodes[4].outputs, (std::vector<std::string>{"sw", "sb"}));
+  EXPECT_EQ(g.nodes[4].operands[0].value, "r");
+  EXPECT_TRUE(g.nodes[4].params.empty());
+  EXPECT_EQ(g.value_bytes("r"), 0);   // a token
+  EXPECT_EQ(g.value_bytes("sw"), 0);  // a shard's size is the world size's business
+  EXPECT_EQ(print(g), text);
 }
 
 TEST(IrText, DtypesAndCasts) {

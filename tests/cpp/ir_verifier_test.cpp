@@ -30,8 +30,9 @@ TEST(IrVerifier, AcceptsAWellFormedForwardAndBackward) {
       "%z = compute \"relu\" %y %w bytes=16\n"
       "release @0 after %z\n"
       "%dw = compute \"mm_grad\" %x %z bytes=64 grad=@0\n"
-      "reduce_scatter @0 %dw\n"
-      "output %z\n");
+      "%r = reduce_scatter @0 %dw\n"
+      "%sw = wait_reduce %r\n"
+      "output %z %sw\n");
   EXPECT_TRUE(errors.empty()) << errors[0];
 }
 
@@ -77,13 +78,69 @@ TEST(IrVerifier, ReleaseNotTiedToAnEarlierUser) {
 TEST(IrVerifier, GradientReducedTwiceOrNever) {
   const char* grads = "%x = input bytes=4\n%dw = compute \"g\" %x bytes=64 grad=@0\n"
                       "%db = compute \"g\" %x bytes=8 grad=@1\n";
-  auto e = check(std::string(grads) + "reduce_scatter @0 %dw\nreduce_scatter @0 %dw\n");
+  const auto before_waits = VerifyOptions::complete().waive(Rule::ReductionsWaited);
+  auto e = check(std::string(grads) + "%r = reduce_scatter @0 %dw\n%q = reduce_scatter @0 %dw\n",
+                 before_waits);
   EXPECT_TRUE(mentions(e, "@0 is reduced 2 times"));
   EXPECT_TRUE(mentions(e, "@1 is reduced 0 times"));
-  e = check(std::string(grads) + "reduce_scatter @0 @1 %dw %db\n");
+  e = check(std::string(grads) + "%r = reduce_scatter @0 @1 %dw %db\n", before_waits);
   EXPECT_TRUE(e.empty()) << e[0];
-  e = check(std::string(grads) + "reduce_scatter @1 @0 %dw %db\n");
+  e = check(std::string(grads) + "%r = reduce_scatter @1 @0 %dw %db\n", before_waits);
   EXPECT_TRUE(mentions(e, "is not a gradient of @1"));
+  e = check(std::string(grads) + "reduce_scatter @0 @1 %dw %db\n", before_waits);
+  EXPECT_TRUE(mentions(e, "must define exactly one value, the token its wait_reduce waits on"));
+}
+
+// What a reduction's wait looks like when the rules hold: one wait_reduce
+// per reduce_scatter, after it, its shard gradients read by the output.
+const char* kReduced = "%x = input bytes=4\n%dw = compute \"g\" %x bytes=64 grad=@0\n"
+                       "%db = compute \"g\" %x bytes=8 grad=@1\n"
+                       "%r = reduce_scatter @0 @1 %dw %db\n";
+
+TEST(IrVerifier, ReductionsWaited) {
+  auto e = check(std::string(kReduced) + "%sw, %sb = wait_reduce %r\noutput %x %sw %sb\n");
+  EXPECT_TRUE(e.empty()) << e[0];
+}
+
+TEST(IrVerifier, ReductionNeverWaited) {
+  const std::string text = std::string(kReduced) + "output %x\n";
+  const auto e = check(text);
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0], "reduction %r (@0 @1) is never waited on; wait_reduce it before the output");
+  EXPECT_TRUE(check(text, VerifyOptions::complete().waive(Rule::ReductionsWaited)).empty());
+}
+
+TEST(IrVerifier, ReductionWaitedTwice) {
+  const auto e = check(std::string(kReduced) +
+                       "%sw, %sb = wait_reduce %r\n%tw, %tb = wait_reduce %r\n"
+                       "output %x %sw %sb\n", VerifyOptions::structural());
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0], "node 5 (wait_reduce): waits on %r again; each reduction is waited on once");
+}
+
+TEST(IrVerifier, WaitBeforeItsReduction) {
+  const auto e = check("%x = input bytes=4\n%dw = compute \"g\" %x bytes=64 grad=@0\n"
+                       "%sw = wait_reduce %r\n%r = reduce_scatter @0 %dw\noutput %x %sw\n");
+  EXPECT_TRUE(mentions(e, "node 2 (wait_reduce): waits on %r before it is defined; a "
+                          "wait_reduce follows its reduce_scatter"));
+  EXPECT_TRUE(mentions(e, "reduction %r (@0) is never waited on"));
+}
+
+TEST(IrVerifier, WaitWithoutAReduction) {
+  auto e = check("%x = input bytes=4\n%s = wait_reduce %x\noutput %x %s\n",
+                 VerifyOptions::structural());
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0], "node 1 (wait_reduce): waits on %x, which is not a reduce_scatter's token");
+  e = check(std::string(kReduced) + "%sw, %sb = wait_reduce @0 %r\noutput %x %sw %sb\n");
+  EXPECT_TRUE(mentions(e, "names parameters; its reduction names them"));
+  e = check(std::string(kReduced) + "%sw = wait_reduce %r\noutput %x %sw\n");
+  EXPECT_TRUE(mentions(e, "yields 1 values for 2 parameters"));
+}
+
+TEST(IrVerifier, ShardGradientsLeaveThroughTheOutput) {
+  const auto e = check(std::string(kReduced) + "%sw, %sb = wait_reduce %r\noutput %x %sw\n");
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0], "shard gradient %sb of @1 is not read by the output");
 }
 
 TEST(IrVerifier, FullParameterSavedForBackward) {
@@ -135,6 +192,7 @@ TEST(IrVerifier, RulesHaveNames) {
   EXPECT_STREQ(to_string(Rule::NoSavedParams), "no saved full parameters");
   EXPECT_STREQ(to_string(Rule::WaitsFollowGathers), "each wait right after its gather");
   EXPECT_STREQ(to_string(Rule::GradientsReduced), "gradients reduced");
+  EXPECT_STREQ(to_string(Rule::ReductionsWaited), "reductions waited");
 }
 
 TEST(IrVerifier, DefinitionsAndDoubleGather) {

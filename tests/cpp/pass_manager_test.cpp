@@ -39,6 +39,8 @@ param @1 "fc.bias" bytes=8
 output %dx
 )";
 
+std::string refusal(const PassManager& pm);
+
 PassManager default_pipeline() {
   PipelineOptions options;
   options.gather_bucket_bytes = 1 << 20;
@@ -49,7 +51,7 @@ PassManager default_pipeline() {
 TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
   Graph g = parse(kBackwardFromBridge);
   const auto records = default_pipeline().run(g);
-  ASSERT_EQ(records.size(), 6u);
+  ASSERT_EQ(records.size(), 7u);
   EXPECT_EQ(records[0].name, "regather_in_backward");
   EXPECT_EQ(records[0].rewrites, 1);
   EXPECT_EQ(records[1].name, "cast_before_gather");
@@ -58,6 +60,8 @@ TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
   EXPECT_EQ(records[4].name, "prefetch_gathers");
   EXPECT_EQ(records[4].rewrites, 0);  // one gather: nothing to move it ahead of
   EXPECT_EQ(records[5].rewrites, 1);  // one bucket for both gradients
+  EXPECT_EQ(records[6].name, "place_reduce_waits");
+  EXPECT_EQ(records[6].rewrites, 1);  // its one wait
   EXPECT_TRUE(verify(g).empty());
   EXPECT_EQ(print(g),
             "param @0 \"fc.weight\" bytes=64\n"
@@ -70,8 +74,57 @@ TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
             "release @0 after %dx\n"
             "%dw = compute \"mm\" %dy %x bytes=64 grad=@0\n"
             "%db = compute \"sum\" %dy bytes=8 grad=@1\n"
-            "reduce_scatter @0 @1 %dw %db\n"
-            "output %dx\n");
+            "%sharc_reduce_0 = reduce_scatter @0 @1 %dw %db\n"
+            "%sharc_shard_grad_0, %sharc_shard_grad_1 = wait_reduce %sharc_reduce_0\n"
+            "output %dx %sharc_shard_grad_0 %sharc_shard_grad_1\n");
+}
+
+// Two reduction buckets: the first is waited on right after the second
+// starts, the second right before the output, which returns every shard
+// gradient.
+TEST(PassManager, ReductionsAreWaitedOnOneBucketBehind) {
+  Graph g = parse(kBackwardAsLowered);
+  PipelineOptions options;
+  options.reduce_bucket_bytes = 64;  // fc.weight's gradient fills one bucket
+  const auto records = make_pipeline(options).run(g);
+  EXPECT_EQ(records[5].rewrites, 2);
+  EXPECT_EQ(records[6].rewrites, 2);
+  EXPECT_EQ(print(g),
+            "param @0 \"fc.weight\" bytes=64\n"
+            "param @1 \"fc.bias\" bytes=8\n"
+            "%x = input bytes=16\n"
+            "%dy = input bytes=16\n"
+            "%sharc_gather_0 = gather @0\n"
+            "%sharc_full_0 = wait %sharc_gather_0\n"
+            "%dx = compute \"mm\" %dy %sharc_full_0 bytes=16\n"
+            "release @0 after %dx\n"
+            "%dw = compute \"mm\" %dy %x bytes=64 grad=@0\n"
+            "%sharc_reduce_0 = reduce_scatter @0 %dw\n"
+            "%db = compute \"sum\" %dy bytes=8 grad=@1\n"
+            "%sharc_reduce_1 = reduce_scatter @1 %db\n"
+            "%sharc_shard_grad_0 = wait_reduce %sharc_reduce_0\n"
+            "%sharc_shard_grad_1 = wait_reduce %sharc_reduce_1\n"
+            "output %dx %sharc_shard_grad_0 %sharc_shard_grad_1\n");
+}
+
+TEST(PassManager, ReductionsNobodyWaitsOnFailAtTheEnd) {
+  Graph g = parse(kBackwardAsLowered);
+  PassManager pm = default_pipeline();
+  pm.disable("place_reduce_waits");
+  try {
+    pm.run(g);
+    FAIL() << "a reduction nobody waits on never delivers its gradients";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("reduction %sharc_reduce_0 (@0 @1) is never waited on"),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("switched off (place_reduce_waits)"), std::string::npos) << msg;
+  }
+  PassManager without_reductions = default_pipeline();
+  without_reductions.disable("insert_reduce_scatter");
+  EXPECT_EQ(refusal(without_reductions),
+            "sharc: pass 'place_reduce_waits' requires 'gradients reduced', which no earlier "
+            "pass established; enable 'insert_reduce_scatter'");
 }
 
 TEST(PassManager, SavedParameterOrRecomputedGatherGiveTheSameSchedule) {
@@ -126,16 +179,17 @@ TEST(PassManager, PrintsBeforeAndAfterEachPass) {
     seen.push_back(pass + ":" + when + ":" + std::to_string(ir.size() > 0));
   });
   pm.run(g);
-  ASSERT_EQ(seen.size(), 12u);
+  ASSERT_EQ(seen.size(), 14u);
   EXPECT_EQ(seen[0], "regather_in_backward:before:1");
-  EXPECT_EQ(seen[11], "insert_reduce_scatter:after:1");
+  EXPECT_EQ(seen[13], "place_reduce_waits:after:1");
 }
 
 TEST(PassManager, PipelineNamesItsPassesInOrder) {
   EXPECT_EQ(pipeline_pass_names(),
             (std::vector<std::string>{"regather_in_backward", "cast_before_gather",
                                       "insert_gather_release", "bucket_allgathers",
-                                      "prefetch_gathers", "insert_reduce_scatter"}));
+                                      "prefetch_gathers", "insert_reduce_scatter",
+                                      "place_reduce_waits"}));
   PipelineOptions options;
   options.disabled_passes = {"prefetch_gathers"};
   Graph g = parse(kBackwardFromBridge);

@@ -51,9 +51,9 @@ def test_profiler_labels_ir_dumps_and_per_step_counters():
                 flags = after_step["reduce_scatter_calls"] * (2 - 1) * 4
                 assert after_step["reduce_scatter_bytes"] == trainable_shards + flags
                 assert after_step["allgather_bytes"] > after_forward["allgather_bytes"]
+                # The ops and the runtime's labels inside them share their names.
                 for label in ("sharc::start_gather", "sharc::wait_gather", "sharc::release",
-                              "sharc::reduce_scatter_start", "sharc::reduce_scatter_wait",
-                              "sharc::reduce_scatter"):
+                              "sharc::start_reduce_scatter", "sharc::wait_reduce_scatter"):
                     assert label in labels, f"{label} missing from {labels}"
             assert per_step[1][1] == per_step[2][1]  # the same traffic every step
             files = sorted(f for f in os.listdir(dump_dir) if f.startswith(f"rank{rank}_"))
@@ -68,7 +68,7 @@ def test_profiler_labels_ir_dumps_and_per_step_counters():
                 elif name.endswith(".after.ir"):
                     assert " = gather @" in text and "release @" in text
                     if "backward" in name:
-                        assert "reduce_scatter @" in text
+                        assert " = reduce_scatter @" in text and " = wait_reduce %" in text
                 else:
                     assert "# ---- before insert_gather_release" in text
                     assert re.search(r"# ---- after insert_gather_release \(\d+ rewrites\)",

@@ -126,3 +126,31 @@ def test_module_sharded_on_a_destroyed_group(tmp_path):
         assert same_name
         assert isinstance(works, float)
         assert stale is not None and "destroyed" in stale
+
+
+def _reduction_tokens(rank, world):
+    import sharc
+
+    lin = torch.nn.Linear(4, 3)
+    sharc.shard(lin)
+    ref = next(r for r in sharc.api.sharded_root(lin).refs_by_shard.values()
+               if r.fqn == "weight")  # 12 elements: no padding on 2 ranks
+    ops, group, pid = torch.ops.sharc, ref.group_name, ref.pid
+    grad = torch.ones(ref.shape)
+    token = ops.start_reduce_scatter([grad], group, [pid])
+    shard_grad = ops.wait_reduce_scatter(token, group, [pid])[0]
+    errors = {}
+    for name, bad in (("twice", token), ("unknown", token + 99)):
+        try:
+            ops.wait_reduce_scatter(bad, group, [pid])
+        except RuntimeError as e:
+            errors[name] = str(e)
+    return int(token), shard_grad, errors
+
+
+def test_a_reduction_is_waited_on_once_by_its_token():
+    for token, shard_grad, errors in run_ranks(_reduction_tokens, 2):
+        assert token >= 0
+        assert torch.equal(shard_grad, torch.ones_like(shard_grad))  # the mean of ones
+        assert "was waited on already; each reduction is waited on once" in errors["twice"]
+        assert f"no reduce-scatter has token {token + 99}" in errors["unknown"]

@@ -47,7 +47,7 @@ def _gathers_in(rank, world, dtype):
     for pid in ids:
         rt.release(pid)
     sent_single = rt.stats()["allgather_bytes"]
-    rt.start_gather_bucket(ids)  # one collective through a staging buffer
+    rt.start_gather(ids)  # one collective through a staging buffer
     bucket = [t.clone() for t in rt.wait_gather(ids)]
     for pid in ids:
         rt.release(pid)

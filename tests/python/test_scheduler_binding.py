@@ -1,6 +1,6 @@
 """torch.classes.sharc.Scheduler, the one call from the bridge into the C++
 pass pipeline: named options in, structured nodes and per-pass rewrite
-counts out; the older comma-joined `schedule` answers the same schedule."""
+counts out."""
 
 import pytest
 import torch
@@ -23,16 +23,20 @@ output %z
 
 def test_structured_nodes_and_pass_records():
     text, nodes, passes, trace, params = Scheduler.schedule_nodes(IR)
-    assert "reduce_scatter @0 %dw" in text
+    assert "%sharc_reduce_0 = reduce_scatter @0 %dw" in text
     assert nodes[1] == ("gather", ["sharc_gather_0"], [], [0, 1])
     assert nodes[2] == ("wait", ["sharc_full_0", "sharc_full_1"], ["sharc_gather_0"], [])
     assert nodes[3] == ("compute", ["y"], ["x", "sharc_full_0"], [])
     assert nodes[4] == ("release", [], ["y"], [0])
-    assert ("reduce_scatter", [], ["dw"], [0]) in nodes
+    # The reduction, its wait right before the output, which returns the shard gradient.
+    assert nodes[-3:] == [("reduce_scatter", ["sharc_reduce_0"], ["dw"], [0]),
+                          ("wait_reduce", ["sharc_shard_grad_0"], ["sharc_reduce_0"], []),
+                          ("output", [], ["z", "sharc_shard_grad_0"], [])]
     assert [p[0] for p in passes] == list(Scheduler.pass_names())
     assert passes[0] == ("regather_in_backward", 0, False)  # the bridge never saves params
     assert passes[1] == ("cast_before_gather", 0, False)  # no dtypes, no casts
     assert passes[2] == ("insert_gather_release", 2, False)
+    assert passes[-2:] == [("insert_reduce_scatter", 1, False), ("place_reduce_waits", 1, False)]
     assert trace == []
     assert params == [(0, ""), (1, "")]
 

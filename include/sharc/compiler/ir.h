@@ -16,11 +16,18 @@
 //   %h = compute "convert" %y bytes=128 cast=bfloat16
 //                                                  converts its operand's dtype
 //   release @0 after %y                            free after the last use
-//   reduce_scatter @0 @1 %dw0 %dw1                 gradient reduction (bucket)
-//   output %y
+//   %r = reduce_scatter @0 @1 %dw0 %dw1            gradient reduction in flight (bucket)
+//   %s0, %s1 = wait_reduce %r                      shard gradients of @0 and @1
+//   output %y %s0 %s1
 //
 // A compute node may also read a parameter directly (`@0` as an operand):
 // that is a use the insertion pass turns into gather / wait / release.
+//
+// A reduce_scatter defines a token: the reduction in flight. One wait_reduce
+// waits on it and defines the shard gradients of its parameters, in order;
+// they leave the graph through the output, which reads them. The IR does not
+// model a shard's size (it depends on the world size), so a token and a shard
+// gradient have 0 bytes.
 //
 // A parameter's `bytes` and `dtype` are those of its gathered (full) value;
 // after its name they come in any order, and `dtype=` may be left out (the
@@ -38,7 +45,7 @@
 
 namespace sharc::ir {
 
-enum class NodeKind { Input, Compute, Gather, Wait, Release, ReduceScatter, Output };
+enum class NodeKind { Input, Compute, Gather, Wait, Release, ReduceScatter, WaitReduce, Output };
 
 const char* to_string(NodeKind kind);
 
@@ -76,7 +83,8 @@ struct Graph {
   std::vector<Node> nodes;
 
   /// Bytes of a value: an input's, a compute's, or the gathered parameter
-  /// that a wait yields. Throws sharc::Error for unknown values.
+  /// that a wait yields (0 for a reduction's token and shard gradients).
+  /// Throws sharc::Error for unknown values.
   int64_t value_bytes(const std::string& value) const;
 };
 
@@ -105,12 +113,15 @@ std::string print(const Graph& graph);
 /// checks the structural rules (every value defined once before use; every
 /// gather waited once before its parameters are used; every gathered
 /// parameter released after its last use, by a release that depends on that
-/// use, and never used after release) and, on request, these.
+/// use, and never used after release; every wait_reduce waits, once, on a
+/// reduction started before it) and, on request, these.
 enum class Rule {
   NoSavedParams,       ///< no input is a full parameter saved by forward
   GathersInserted,     ///< no node reads a parameter directly (`@k` operand)
   WaitsFollowGathers,  ///< every wait comes right after the gather it waits on
   GradientsReduced,    ///< every gradient is reduced exactly once
+  /// every reduction is waited on, and the output reads every shard gradient
+  ReductionsWaited,
 };
 
 /// The rule as messages name it, e.g. "gathers inserted".
@@ -124,13 +135,14 @@ class VerifyOptions {
   /// satisfies (it reads parameters directly and reduces no gradient).
   static VerifyOptions structural() { return VerifyOptions(); }
   /// What every finished schedule satisfies: no saved full parameters,
-  /// gathers inserted, gradients reduced. (Not WaitsFollowGathers:
-  /// prefetching moves gathers away from their waits.)
+  /// gathers inserted, gradients reduced, reductions waited. (Not
+  /// WaitsFollowGathers: prefetching moves gathers away from their waits.)
   static VerifyOptions complete() {
     return structural()
         .require(Rule::NoSavedParams)
         .require(Rule::GathersInserted)
-        .require(Rule::GradientsReduced);
+        .require(Rule::GradientsReduced)
+        .require(Rule::ReductionsWaited);
   }
 
   VerifyOptions& require(Rule rule) {

@@ -56,8 +56,19 @@ std::unique_ptr<Pass> make_prefetch_gathers();
 
 /// One reduce_scatter per gradient, consecutive gradients bucketed up to
 /// `bucket_bytes` (a larger gradient goes alone); each bucket is placed right
-/// after the producer of its last gradient.
+/// after the producer of its last gradient, and defines a token naming the
+/// reduction in flight (`%sharc_reduce_<first parameter>`). Where the
+/// reductions are waited on is place_reduce_waits' job.
 /// Establishes: gradients reduced (each exactly once).
 std::unique_ptr<Pass> make_insert_reduce_scatter(int64_t bucket_bytes);
+
+/// A wait_reduce for every reduction not waited on yet, placed right after
+/// the next reduction starts (that one's collective then runs while backward
+/// computes up to it; at most two are in flight), the last one right before
+/// the output. Each wait defines its parameters' shard gradients
+/// (`%sharc_shard_grad_<parameter>`), which the output then reads: they are
+/// what leaves the graph. Returns the waits placed.
+/// Requires: gradients reduced. Establishes: reductions waited.
+std::unique_ptr<Pass> make_place_reduce_waits();
 
 }  // namespace sharc::ir

@@ -26,8 +26,9 @@ struct PipelineOptions {
 
 /// A PassManager running sharc's passes in order: regather_in_backward,
 /// cast_before_gather, insert_gather_release, bucket_allgathers,
-/// prefetch_gathers, insert_reduce_scatter. Its input rules are what the bridge's graphs
-/// satisfy (structural only); its final rules are a complete schedule's.
+/// prefetch_gathers, insert_reduce_scatter, place_reduce_waits. Its input
+/// rules are what the bridge's graphs satisfy (structural only); its final
+/// rules are a complete schedule's.
 /// Throws sharc::Error, listing the pass names, if a disabled pass is unknown.
 PassManager make_pipeline(const PipelineOptions& options);
 

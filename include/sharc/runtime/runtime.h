@@ -37,8 +37,9 @@ struct GatherInFlight {
   std::vector<int64_t> offsets;  ///< each one's column offset within a row
 };
 
-/// A reduce-scatter in flight: its padded input, its output and the shard
-/// widths of the parameters it serves, in order.
+/// A reduce-scatter in flight, found by the token start_reduce_scatter
+/// handed out: its padded input, its output and the shard widths of the
+/// parameters it serves, in order.
 struct PendingReduction {
   c10::intrusive_ptr<c10d::Work> work;
   at::Tensor input;
@@ -108,8 +109,8 @@ class Runtime : public torch::CustomClassHolder {
   /// released (or persistent with a changed shard or another dtype), in
   /// `dtype` (default: each one's gather dtype): one collective per dtype.
   /// Others are gathered or in flight already and are skipped.
-  void start_gather_bucket(const std::vector<int64_t>& ids,
-                           std::optional<c10::ScalarType> dtype = std::nullopt);
+  void start_gather(const std::vector<int64_t>& ids,
+                    std::optional<c10::ScalarType> dtype = std::nullopt);
   /// Blocks until every one of `ids` is gathered, takes one hold on each and
   /// returns their true-shape full views (the compiled path's wait).
   std::vector<at::Tensor> wait_gather(const std::vector<int64_t>& ids);
@@ -138,12 +139,16 @@ class Runtime : public torch::CustomClassHolder {
   at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);
 
   /// Non-blocking: starts one reduce-scatter for several gradients (copied
-  /// into a buffer of its own, so the caller may free them).
-  void start_reduce_scatter(const std::vector<int64_t>& ids,
-                            const std::vector<at::Tensor>& full_grads);
-  /// Waits for the reduce-scatter started for `ids` and returns each
-  /// parameter's flat shard gradient (summed, divided by the world size).
-  std::vector<at::Tensor> finish_reduce_scatter(const std::vector<int64_t>& ids);
+  /// into a buffer of its own, so the caller may free them). Returns its
+  /// token, the id wait_reduce_scatter takes; tokens are handed out in
+  /// order and never reused.
+  int64_t start_reduce_scatter(const std::vector<int64_t>& ids,
+                               const std::vector<at::Tensor>& full_grads);
+  /// Blocks until the reduce-scatter of `token` is done and returns each of
+  /// its parameters' flat shard gradients (summed, divided by the world
+  /// size), in the order they were started. Throws sharc::Error for a token
+  /// waited on already or never handed out.
+  std::vector<at::Tensor> wait_reduce_scatter(int64_t token);
 
   /// Sets how the parameter is gathered and its gradient reduced and
   /// delivered (see GatherSpec); throws sharc::Error naming it if the spec
@@ -207,14 +212,16 @@ class Runtime : public torch::CustomClassHolder {
   /// The gradient to reduce now: `grad` plus what no_sync held back.
   at::Tensor take_unreduced(ShardedParam& p, const at::Tensor& grad, c10::ScalarType dtype);
   void hold_unreduced(ShardedParam& p, const at::Tensor& grad);
-  void start_reduction_locked(const std::vector<int64_t>& ids,
-                              const std::vector<at::Tensor>& full_grads,
-                              const std::vector<bool>& held);
+  /// Starts the collective and returns its token.
+  int64_t start_reduce_scatter_locked(const std::vector<int64_t>& ids,
+                                      const std::vector<at::Tensor>& full_grads,
+                                      const std::vector<bool>& held);
 
   Communicator comm_;
   MemoryAccounting accounting_;
   std::vector<std::unique_ptr<ShardedParam>> params_;
-  std::map<int64_t, PendingReduction> reductions_;  ///< by first parameter id
+  std::map<int64_t, PendingReduction> reductions_;  ///< in flight, by token
+  int64_t next_reduction_token_ = 0;
   bool gradient_sync_ = true;
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };

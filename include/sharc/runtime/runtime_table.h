@@ -24,8 +24,6 @@ class RuntimeTable {
   c10::intrusive_ptr<Runtime> get_or_create(const std::string& group_name);
   /// The group's Runtime; throws if sharc.shard() never used this group.
   c10::intrusive_ptr<Runtime> get(const std::string& group_name);
-  /// Forgets the group's Runtime (when its process group is destroyed).
-  void forget(const std::string& group_name);
 
  private:
   /// Drops the runtimes of groups that no longer exist (their modules may

@@ -1,14 +1,13 @@
 """Scheduled IR -> FX graph: the bridge's way back.
 
 Walks the scheduled nodes in order and builds a new graph: compute nodes are
-copied from the original, gathers, waits and releases become
-sharc.start_gather / wait_gather / release calls, and each reduce_scatter
-bucket becomes a sharc.reduce_scatter_start whose wait comes right after the
-next bucket starts (or at the end of the graph), so one reduction is in
-flight while backward computes on; the waited shard gradients replace the
-original per-parameter reductions at the graph output. A parameter that
-cast_before_gather narrowed is gathered in the narrow dtype and its folded
-casts' users read the gathered value.
+copied from the original, and each communication node becomes the op of its
+name: gather / wait / release become sharc.start_gather / wait_gather /
+release, reduce_scatter / wait_reduce become sharc.start_reduce_scatter /
+wait_reduce_scatter, where the passes placed them. The waited shard
+gradients replace the original per-parameter reductions at the graph output.
+A parameter that cast_before_gather narrowed is gathered in the narrow dtype
+and its folded casts' users read the gathered value.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ import torch.fx as fx
 import torch
 
 from sharc._compile.lower import LoweredGraph, ParamSlot
-from sharc._compile.ops import (REDUCE_SCATTER_START, REDUCE_SCATTER_WAIT, RELEASE,
-                                START_GATHER, WAIT_GATHER, is_tensor)
+from sharc._compile.ops import (RELEASE, START_GATHER, START_REDUCE_SCATTER, WAIT_GATHER,
+                                WAIT_REDUCE_SCATTER, is_tensor)
 
 
 class _Rebuild:
@@ -34,7 +33,7 @@ class _Rebuild:
         self.by_value: dict[str, fx.Node] = {}  # IR value -> new node
         self.full: dict[int, fx.Node] = {}      # IR param -> its gathered value now
         self.in_flight: dict[str, list[int]] = {}  # gather value -> its IR params
-        self.reducing: tuple[fx.Node, list] | None = None  # reduction not yet waited
+        self.reducing: dict[str, list[int]] = {}  # reduction token -> its IR params
 
     def run(self, nodes: list[tuple[str, list[str], list[str], list[int]]]) -> fx.Graph:
         for node in self.original.nodes:
@@ -42,7 +41,6 @@ class _Rebuild:
                 self._bind(node, self.graph.node_copy(node))
         for kind, outputs, operands, params in nodes:
             getattr(self, f"_{kind}")(outputs, operands, params)
-        self._wait_reduction()
         output = self.original.output_node()
         self.graph.node_copy(output, lambda n: self.env[n])
         return self.graph
@@ -82,7 +80,7 @@ class _Rebuild:
         pass  # placeholders were copied first, in their original order
 
     def _output(self, outputs, operands, params) -> None:
-        pass  # copied last, from the original
+        pass  # copied last, from the original (_wait_reduce mapped its reductions)
 
     def _compute(self, outputs, operands, params) -> None:
         name = outputs[0]
@@ -122,20 +120,16 @@ class _Rebuild:
     def _reduce_scatter(self, outputs, operands, params) -> None:
         slots, group, pids = self._slots(params)
         grads = [self._value(o) for o in operands]
-        token = self._call(REDUCE_SCATTER_START, (grads, group, pids))
-        self._wait_reduction()  # the previous one: at most two in flight
-        self.reducing = (token, slots)
+        self.by_value[outputs[0]] = self._call(START_REDUCE_SCATTER, (grads, group, pids))
+        self.reducing[outputs[0]] = params
 
-    def _wait_reduction(self) -> None:
-        if self.reducing is None:
-            return
-        token, slots = self.reducing
-        self.reducing = None
+    def _wait_reduce(self, outputs, operands, params) -> None:  # it names its reduction only
+        slots, group, pids = self._slots(self.reducing.pop(operands[0]))
         vals = [s.reductions[0].meta.get("val") for s in slots]
-        waited = self._call(REDUCE_SCATTER_WAIT, (token, slots[0].group, [s.pid for s in slots]),
-                            vals)
-        for i, slot in enumerate(slots):
+        waited = self._call(WAIT_REDUCE_SCATTER, (self._value(operands[0]), group, pids), vals)
+        for i, (slot, name) in enumerate(zip(slots, outputs)):
             shard_grad = self._call(operator.getitem, (waited, i), vals[i])
+            self.by_value[name] = shard_grad
             for reduction in slot.reductions:
                 self.env[reduction] = shard_grad
             for cast in slot.exit_casts:  # back to the dtype AOTAutograd expects

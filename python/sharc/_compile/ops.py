@@ -13,15 +13,15 @@ REDUCE_SCATTER = torch.ops.sharc.reduce_scatter.default
 START_GATHER = torch.ops.sharc.start_gather.default
 WAIT_GATHER = torch.ops.sharc.wait_gather.default
 RELEASE = torch.ops.sharc.release.default
-REDUCE_SCATTER_START = torch.ops.sharc.reduce_scatter_start.default
-REDUCE_SCATTER_WAIT = torch.ops.sharc.reduce_scatter_wait.default
+START_REDUCE_SCATTER = torch.ops.sharc.start_reduce_scatter.default
+WAIT_REDUCE_SCATTER = torch.ops.sharc.wait_reduce_scatter.default
 
 # Neither FX dead-code elimination nor Inductor's scheduler may drop these:
 # the starts launch collectives and release frees memory (and has no output
 # anyone reads).
 fx.node.has_side_effect(START_GATHER)
 fx.node.has_side_effect(RELEASE)
-fx.node.has_side_effect(REDUCE_SCATTER_START)
+fx.node.has_side_effect(START_REDUCE_SCATTER)
 
 
 def is_call(node: fx.Node, target) -> bool:

@@ -45,8 +45,11 @@ class InsertReduceScatter : public Pass {
     size_t insert_at = 0;  ///< position right after the last member's producer
   };
 
+  // The bucket's reduce_scatter goes in, its token named after its first
+  // parameter (each gradient is reduced once, so the name is unique).
   static void flush(std::vector<Node>& out, Bucket& bucket, int64_t& buckets) {
     if (bucket.node.params.empty()) return;
+    bucket.node.outputs = {"sharc_reduce_" + std::to_string(bucket.node.params[0])};
     out.insert(out.begin() + static_cast<std::ptrdiff_t>(bucket.insert_at),
                std::move(bucket.node));
     bucket = Bucket();
