@@ -517,3 +517,26 @@ void Runtime::reset_stats() {
 }
 
 }  // namespace sharc
+
+namespace sharc {
+
+at::Tensor Runtime::token_tensor(int64_t token, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({1}, options.dtype(at::kLong));
+  std::lock_guard<std::mutex> lock(mutex_);
+  token_tensors_[t.const_data_ptr()] = token;  // a stale entry at a reused address is replaced
+  return t;
+}
+
+int64_t Runtime::take_token(const at::Tensor& token_tensor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = token_tensor.numel() == 1 ? token_tensors_.find(token_tensor.const_data_ptr())
+                                      : token_tensors_.end();
+  SHARC_CHECK(it != token_tensors_.end(), "sharc: wait_reduce_scatter takes the token tensor "
+              "start_reduce_scatter returned, once; this one names no reduction in flight in "
+              "group '", comm_.group_name(), "'");
+  const int64_t token = it->second;
+  token_tensors_.erase(it);
+  return token;
+}
+
+}  // namespace sharc

@@ -15,7 +15,7 @@
 //   start_reduce_scatter(grads, group, params) -> token
 //       Non-blocking reduce-scatter of several gradients in one collective.
 //       The token is a one-element int64 tensor on the gradients' device
-//       holding the runtime's token for the reduction.
+//       that names the reduction by its address (never read back).
 //   wait_reduce_scatter(token, group, params) -> shard grads
 //       Waits for the reduction of `token`; each parameter's flat shard
 //       gradient, averaged. A token waited on already is an error.
@@ -74,16 +74,15 @@ void release_kernel(const at::Tensor& full, at::TensorList after, const std::str
 void release_meta(const at::Tensor& full, at::TensorList after, const std::string& group,
                   int64_t param) {}
 
-// The token lives on the gradients' device: a compiler's fake tensors give an
-// op's outputs its inputs' device, so a host token would be mislabelled.
-// Reading it back in the wait is free on the CPU; on CUDA it would make the
-// host wait for the device (the CUDA path has not been run yet).
+// The token tensor lives on the gradients' device (a compiler's fake tensors
+// give an op's outputs its inputs' device) and names the reduction by its
+// address, never by its value (Runtime::token_tensor).
 at::Tensor start_reduce_scatter_kernel(at::TensorList grads, const std::string& group,
                                        c10::IntArrayRef params) {
   SHARC_CHECK(!grads.empty(), "sharc: start_reduce_scatter got no gradients");
-  const int64_t token =
-      RuntimeTable::instance().get(group)->start_reduce_scatter(params.vec(), grads.vec());
-  return at::full({1}, token, grads[0].options().dtype(at::kLong));
+  auto runtime = RuntimeTable::instance().get(group);
+  const int64_t token = runtime->start_reduce_scatter(params.vec(), grads.vec());
+  return runtime->token_tensor(token, grads[0].options());
 }
 
 at::Tensor start_reduce_scatter_meta(at::TensorList grads, const std::string& group,
@@ -94,11 +93,8 @@ at::Tensor start_reduce_scatter_meta(at::TensorList grads, const std::string& gr
 std::vector<at::Tensor> wait_reduce_scatter_kernel(const at::Tensor& token,
                                                    const std::string& group,
                                                    c10::IntArrayRef params) {
-  SHARC_CHECK(token.numel() == 1 && token.scalar_type() == at::kLong, "sharc: "
-              "wait_reduce_scatter takes the token start_reduce_scatter returned, not a ",
-              token.scalar_type(), " tensor of ", token.numel(), " elements");
-  std::vector<at::Tensor> shards =
-      RuntimeTable::instance().get(group)->wait_reduce_scatter(token.item<int64_t>());
+  auto runtime = RuntimeTable::instance().get(group);
+  std::vector<at::Tensor> shards = runtime->wait_reduce_scatter(runtime->take_token(token));
   SHARC_CHECK(shards.size() == params.size(), "sharc: the reduce-scatter of this token serves ",
               shards.size(), " parameters, not ", params.size(), "; this is a sharc bug");
   return shards;

@@ -150,6 +150,15 @@ class Runtime : public torch::CustomClassHolder {
   /// waited on already or never handed out.
   std::vector<at::Tensor> wait_reduce_scatter(int64_t token);
 
+  /// The compiled path's form of a reduction token: a one-element tensor
+  /// (on the gradients' device, as compilers expect of an op's output)
+  /// whose address names the reduction. Its value is never read: on CUDA,
+  /// reading it back would make the host wait for the device.
+  at::Tensor token_tensor(int64_t token, const at::TensorOptions& options);
+  /// The token a token_tensor() names, forgotten as it is returned; throws
+  /// sharc::Error for a tensor that names none (waited already, or not one).
+  int64_t take_token(const at::Tensor& token_tensor);
+
   /// Sets how the parameter is gathered and its gradient reduced and
   /// delivered (see GatherSpec); throws sharc::Error naming it if the spec
   /// does not suit its master dtype.
@@ -222,6 +231,7 @@ class Runtime : public torch::CustomClassHolder {
   std::vector<std::unique_ptr<ShardedParam>> params_;
   std::map<int64_t, PendingReduction> reductions_;  ///< in flight, by token
   int64_t next_reduction_token_ = 0;
+  std::map<const void*, int64_t> token_tensors_;  ///< token_tensor() addresses
   bool gradient_sync_ = true;
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };
