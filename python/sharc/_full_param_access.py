@@ -58,7 +58,8 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
                 f"sharc: cannot move or cast the sharded parameter '{ref.fqn}' "
                 f"({shard.dtype}, {shard.device}) to ({probe.dtype}, {probe.device}) after "
                 "sharc.shard(): convert the model before shard(), or compute in a lower "
-                "precision with torch.autocast")
+                "precision with mixed precision (ShardConfig(mixed_precision="
+                "sharc.MixedPrecision(param_dtype=...))) or torch.autocast")
     return super(type(module), module)._apply(fn, recurse)
 
 

@@ -50,6 +50,8 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     units = _validate.resolve_gather_units(module, config.gather_units)
     dtypes = {p: mixed_precision.param_dtypes(fqn, p, config.mixed_precision) for fqn, p in named}
     runtime = _runtime(group)
+    if config.verify_schedule:
+        runtime.set_verify_schedule(True)
     refs_by_param = _register(runtime, group.group_name, named, dtypes)
     _install_optimizer_check()
     for fqn, p in named:

@@ -29,6 +29,14 @@ class ShardConfig:
     (or any module whose submodules run on some ranks only) here: see
     docs/design/eager-schedule.md, "Ranks that take different paths"."""
 
+    verify_schedule: bool = False
+    """Before each collective the ranks check, with one more small
+    collective, that they are all about to issue the same one; if not, every
+    rank raises naming what each was doing, instead of hanging or gathering
+    another rank's parameter. For debugging ranks that take different paths
+    through forward (costs one small all-gather per collective). Applies to
+    everything sharded on the group."""
+
     mixed_precision: MixedPrecision | None = None
     """Gather parameters and reduce gradients in smaller floating dtypes
     while the shards (and the optimizer state) keep the model's dtype; see
@@ -43,9 +51,10 @@ class ShardConfig:
                                     "parameter names")
         self.gather_units = _names("ShardConfig.gather_units", self.gather_units,
                                    "module names")
-        if not isinstance(self.verify_replicas, bool):
-            raise TypeError(
-                f"ShardConfig.verify_replicas must be a bool, got {self.verify_replicas!r}")
+        for name in ("verify_replicas", "verify_schedule"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"ShardConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -37,6 +37,11 @@ def load_full_state_dict(module: torch.nn.Module, state_dict: dict[str, torch.Te
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
                        f"{unexpected}")
     for name, value in own.items():
+        given = state_dict[name]
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"load_full_state_dict: '{name}' is a {type(given).__name__}, not a "
+                            "tensor; pass the full tensors (e.g. from sharc.full_state_dict or "
+                            "an unsharded model's state_dict())")
         ref = root.refs_by_shard.get(id(value))
         shape = ref.shape if ref is not None else tuple(value.shape)
         if tuple(state_dict[name].shape) != shape:

@@ -33,6 +33,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("set_spec", &sharc::Runtime::set_spec)
       .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)
+      .def("set_verify_schedule", &sharc::Runtime::set_verify_schedule)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
       .def("flush_unit", &sharc::Runtime::flush_unit)
       .def("start_gather",

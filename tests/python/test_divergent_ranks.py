@@ -85,3 +85,44 @@ def _bad_unit(rank, world):
 def test_a_unit_name_that_matches_nothing_is_named():
     for message in run_ranks(_bad_unit, 2):
         assert "'mixture'" in message and "matches no module" in message
+
+
+# -- a rank that takes another path, caught by verify_schedule ------------------------
+class _Skipper(torch.nn.Module):
+    """Rank 1 skips the middle layer: a bug, not routing."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = (torch.nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x, skip: bool):
+        x = self.first(x)
+        if not skip:
+            x = self.middle(x)
+        return self.last(x).sum()
+
+
+def _diverge(rank, world, mode):
+    import sharc
+
+    model = _Skipper()
+    sharc.shard(model, config=sharc.ShardConfig(verify_schedule=True))
+    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    step(torch.ones(2, 6), False).backward()  # the same path: fine
+    try:
+        step(torch.ones(2, 6), rank == 1).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_verify_schedule_names_where_ranks_diverged(mode):
+    messages = run_ranks(_diverge, 2, mode, timeout=120)
+    for rank, message in enumerate(messages):
+        assert "the ranks diverged" in message, message
+        assert f"rank {rank} is about to issue" in message
+        assert "ShardConfig.gather_units" in message
+        if mode == "eager":  # compiled, the gathers share one bucket from 'first.'
+            assert "'middle." in message and "'last." in message

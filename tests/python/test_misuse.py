@@ -87,6 +87,7 @@ def test_launch_fn_that_cannot_reach_the_ranks():
 SHARD_CONFIG_CASES = [
     (dict(verify_replicas="yes"), TypeError, "ShardConfig.verify_replicas must be a bool"),
     (dict(verify_replicas=1), TypeError, "ShardConfig.verify_replicas must be a bool"),
+    (dict(verify_schedule="on"), TypeError, "ShardConfig.verify_schedule must be a bool"),
     (dict(keep_gathered="fc.weight"), TypeError, "got the string 'fc.weight': write"),
     (dict(keep_gathered=5), TypeError, "keep_gathered must be a tuple of parameter names"),
     (dict(keep_gathered=("w", 3)), TypeError, "(strings), got 3 in it"),
@@ -190,6 +191,10 @@ def _shard_misuse(rank, world):
         torch.nn.Linear(3, 3), config=sharc.ShardConfig(keep_gathered=("weights",))),
         ValueError)
     attempt("stats_group", lambda: sharc.memory_stats(group=0), TypeError)
+    state = {k: v for k, v in sharc.full_state_dict(lin).items()}
+    state["bias"] = [0.0, 0.0, 0.0]
+    attempt("load_list", lambda: sharc.load_full_state_dict(lin, state), TypeError)
+    attempt("cast", lambda: lin.to(torch.float64), RuntimeError)
     return errors
 
 
@@ -212,6 +217,10 @@ def test_shard_misuse():
         assert errors["keep"][0] == "ValueError"
         assert "keep_gathered names 'weights', which is not a parameter" in errors["keep"][1]
         assert errors["stats_group"][0] == "TypeError"
+        assert errors["load_list"] == (
+            "TypeError", "load_full_state_dict: 'bias' is a list, not a tensor; pass the full "
+            "tensors (e.g. from sharc.full_state_dict or an unsharded model's state_dict())")
+        assert "mixed precision" in errors["cast"][1]
 
 
 # --------------------------------------------------- clip_grad_norm_()

@@ -180,6 +180,14 @@ class Runtime : public torch::CustomClassHolder {
   /// Returns each flat shard gradient, averaged, in its reduce dtype.
   std::vector<at::Tensor> flush_unit(const std::vector<int64_t>& ids);
 
+  /// Before each collective, the ranks compare which one they are about to
+  /// issue (its kind and parameters) with one small all-gather and all
+  /// raise, naming what each rank was doing, if they differ: a rank that
+  /// took another path through forward fails at once instead of hanging or
+  /// gathering another rank's parameter. Off by default (one more
+  /// collective each); its traffic is not counted in stats().
+  void set_verify_schedule(bool verify);
+
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
 
@@ -205,6 +213,10 @@ class Runtime : public torch::CustomClassHolder {
 
  private:
   ShardedParam& param(int64_t id);
+  /// With verify_schedule on: the ranks agree they are all about to issue a
+  /// `kind` collective for `ids` (see set_verify_schedule), on `device`.
+  void agree_locked(const char* kind, const std::vector<int64_t>& ids, c10::Device device);
+  std::string describe(int64_t kind, int64_t count, int64_t first) const;
   /// Whether `p` must be gathered before a use in `dtype`: sharded or
   /// released, or persistent and stale or in another dtype. Throws if it is
   /// held or in flight in another dtype.
@@ -233,6 +245,7 @@ class Runtime : public torch::CustomClassHolder {
   int64_t next_reduction_token_ = 0;
   std::map<const void*, int64_t> token_tensors_;  ///< token_tensor() addresses
   bool gradient_sync_ = true;
+  bool verify_schedule_ = false;
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };
 
