@@ -442,6 +442,11 @@ at::Tensor Runtime::hand_out(ShardedParam& p) {
   // it stays a true-shape alias whose bytes vanish when the base is freed.
   at::Tensor view = at::empty({0}, p.base.options());
   view.set_(p.base.storage(), 0, p.shape, c10::contiguous_strides(p.shape));
+  // Dead ones are dropped here: a persistent parameter is handed out every
+  // step and never released.
+  auto dead = [](const auto& weak) { return weak.expired(); };
+  p.handed_out.erase(std::remove_if(p.handed_out.begin(), p.handed_out.end(), dead),
+                     p.handed_out.end());
   p.handed_out.emplace_back(view.getIntrusivePtr());
   return view;
 }
