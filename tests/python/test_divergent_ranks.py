@@ -126,3 +126,24 @@ def test_verify_schedule_names_where_ranks_diverged(mode):
         assert "ShardConfig.gather_units" in message
         if mode == "eager":  # compiled, the gathers share one bucket from 'first.'
             assert "'middle." in message and "'last." in message
+
+
+def _read_on_rank_zero(rank, world):
+    import sharc
+
+    model = _Skipper()
+    sharc.shard(model, config=sharc.ShardConfig(verify_schedule=True))
+    try:
+        if rank == 0:
+            print(model.first.weight.norm())  # logging on one rank: a collective
+        model(torch.ones(2, 6), False).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_verify_schedule_names_a_read_on_one_rank():
+    first, second = run_ranks(_read_on_rank_zero, 2, timeout=120)
+    assert "rank 0 is about to issue a full read of 'first.weight'" in first
+    assert "rank 1 issues an all-gather of 'first.weight'" in first
+    assert "rank 1 is about to issue an all-gather of 'first.weight'" in second
