@@ -137,7 +137,7 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
   gather->ids = ids;
   if (row == 0) return;  // zero-size parameters only: nothing to send
   at::Tensor input = inputs.size() == 1 ? inputs[0] : at::cat(inputs);
-  agree_locked("all-gather", ids, input.device());
+  agree_locked(kAllGather, ids, input.device());
   at::Tensor output = param(ids[0]).base;
   if (ids.size() > 1) {
     gather->staging = at::empty({comm_.world_size() * row}, input.options());
@@ -220,7 +220,7 @@ at::Tensor Runtime::read_full(int64_t id) {
   ShardedParam& p = param(id);
   at::Tensor padded = at::empty({p.layout.padded_numel()}, p.shard.options());
   if (padded.numel() > 0) {
-    agree_locked("full read", {id}, padded.device());
+    agree_locked(kFullRead, {id}, padded.device());
     accounting_.on_gathered(padded.nbytes());
     at::Tensor input = p.shard.detach();
     comm_.all_gather(padded, input)->wait();
@@ -329,7 +329,7 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     at::Tensor nonfinite = at::isfinite(grid).all().logical_not().to(bucket_dtype);
     pending.input = at::cat({grid, nonfinite.expand({world, 1})}, 1).view({-1});
     pending.out = at::empty({pending.input.numel() / world}, options);
-    agree_locked("reduce-scatter", ids, grid.device());
+    agree_locked(kReduceScatter, ids, grid.device());
     pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
   }
@@ -552,15 +552,9 @@ int64_t Runtime::take_token(const at::Tensor& token_tensor) {
 namespace sharc {
 namespace {
 
+// Indexed by Runtime::Collective.
 const char* const kCollectiveKinds[] = {"all-gather", "reduce-scatter", "full read"};
 const char* const kArticles[] = {"an ", "a ", "a "};
-
-int64_t kind_index(const char* kind) {
-  for (int64_t i = 0; i < 3; ++i) {
-    if (std::string(kCollectiveKinds[i]) == kind) return i;
-  }
-  return -1;
-}
 
 }  // namespace
 
@@ -579,13 +573,13 @@ std::string Runtime::describe(int64_t kind, int64_t count, int64_t first) const 
   return text;
 }
 
-void Runtime::agree_locked(const char* kind, const std::vector<int64_t>& ids,
+void Runtime::agree_locked(Collective kind, const std::vector<int64_t>& ids,
                            c10::Device device) {
   if (!verify_schedule_) return;
   RECORD_FUNCTION("sharc::verify_schedule", std::vector<c10::IValue>());
   uint64_t hash = 1469598103934665603ULL;  // FNV-1a over the ids, in order
   for (int64_t id : ids) hash = (hash ^ static_cast<uint64_t>(id)) * 1099511628211ULL;
-  at::Tensor mine = at::tensor({kind_index(kind), static_cast<int64_t>(ids.size()), ids[0],
+  at::Tensor mine = at::tensor({static_cast<int64_t>(kind), static_cast<int64_t>(ids.size()), ids[0],
                                 static_cast<int64_t>(hash >> 1)}, at::kLong).to(device);
   const int64_t world = comm_.world_size();
   at::Tensor all = at::empty({world * 4}, mine.options());
@@ -597,7 +591,7 @@ void Runtime::agree_locked(const char* kind, const std::vector<int64_t>& ids,
     const auto* other = rows[r].const_data_ptr<int64_t>();
     throw Error(detail::concat(
         "sharc: the ranks diverged: rank ", comm_.rank(), " is about to issue ",
-        describe(kind_index(kind), static_cast<int64_t>(ids.size()), ids[0]), " while rank ", r,
+        describe(kind, static_cast<int64_t>(ids.size()), ids[0]), " while rank ", r,
         " issues ", describe(other[0], other[1], other[2]),
         ". Every rank must run the same sharded modules in the same order; a module whose "
         "submodules run on some ranks only (mixture-of-experts routing) must be named in "

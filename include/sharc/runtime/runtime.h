@@ -213,9 +213,11 @@ class Runtime : public torch::CustomClassHolder {
 
  private:
   ShardedParam& param(int64_t id);
+  /// The collectives verify_schedule compares, by the value exchanged.
+  enum Collective : int64_t { kAllGather = 0, kReduceScatter = 1, kFullRead = 2 };
   /// With verify_schedule on: the ranks agree they are all about to issue a
   /// `kind` collective for `ids` (see set_verify_schedule), on `device`.
-  void agree_locked(const char* kind, const std::vector<int64_t>& ids, c10::Device device);
+  void agree_locked(Collective kind, const std::vector<int64_t>& ids, c10::Device device);
   std::string describe(int64_t kind, int64_t count, int64_t first) const;
   /// Whether `p` must be gathered before a use in `dtype`: sharded or
   /// released, or persistent and stale or in another dtype. Throws if it is
