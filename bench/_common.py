@@ -29,6 +29,8 @@ import torch.distributed as dist
 from sharc.models.gpt import GPT, GPTConfig
 
 MODEL = GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256)
+# At least 8x MODEL's parameters, in 12 layers (bench/compare.py's second size).
+LARGE_MODEL = GPTConfig(vocab_size=65, block_size=128, n_layer=12, n_head=8, n_embd=512)
 
 
 @dataclass
@@ -41,9 +43,9 @@ class Competitor:
     """Every training step's loss, in order (all competitors see the same batches)."""
 
 
-def fresh_model() -> GPT:
+def fresh_model(config: GPTConfig = MODEL) -> GPT:
     torch.manual_seed(0)
-    return GPT(MODEL)
+    return GPT(config)
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

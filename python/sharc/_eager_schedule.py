@@ -36,6 +36,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_leaves
 
+from sharc._eager_prefetch import PassPrefetch
 from sharc._param_ref import ShardedParamRef
 
 
@@ -164,8 +165,14 @@ def _skip_as_frames(cls):
 class EagerSchedule:
     """Gather/release policy for one sharded root module (see the note above)."""
 
-    def __init__(self, refs: list[ShardedParamRef]):
+    def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
+                 prefetch: bool = True):
         self._scopes: list[_Scope] = []
+        # One group gathered ahead, from the previous pass's order (see the
+        # note in _eager_prefetch.py); gather units gather on their own.
+        runtime = refs[0].runtime if refs and prefetch else None
+        self._forward_prefetch = PassPrefetch(runtime, set(unit_ids))
+        self._backward_prefetch = PassPrefetch(runtime, set(unit_ids))
         self._saved_hooks = None
         # Base storages are owned by the runtime for the life of the module,
         # so their addresses identify parameters without reuse.
@@ -212,6 +219,7 @@ class EagerSchedule:
         if not self._scopes:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
+            self._forward_prefetch.finish()
 
     @torch.compiler.disable
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
@@ -226,6 +234,7 @@ class EagerSchedule:
         cached = scope.full.get(ref.pid)
         if cached is not None:
             return cached[1]
+        self._forward_prefetch.on_gather(scope, ref.pid)
         full = ref.gather_op()
         scope.full[ref.pid] = (ref, full)
         if full.grad_fn is not None:
@@ -275,6 +284,7 @@ class EagerSchedule:
     def _gather_for_backward(self, ref: ShardedParamRef) -> torch.Tensor:
         entry = self._backward_full.get(ref.pid)
         if entry is None:
+            self._backward_prefetch.on_gather(self._forward_prefetch.group_of(ref.pid), ref.pid)
             entry = (ref, ref.runtime.gather(ref.pid))
             self._backward_full[ref.pid] = entry
             self._queue_end_of_backward()
@@ -301,6 +311,7 @@ class EagerSchedule:
             self._release_unit(unit)
         for pid in list(self._backward_full):
             self._release_backward(pid)
+        self._backward_prefetch.finish()
 
     # -- letting go -----------------------------------------------------
     def _release_unit(self, unit: GatherUnit) -> None:

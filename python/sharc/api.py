@@ -57,7 +57,8 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     for fqn, p in named:
         if fqn in config.keep_gathered:
             runtime.set_persistent(refs_by_param[p].pid, True)
-    schedule = EagerSchedule(list(refs_by_param.values()))
+    unit_ids = {refs_by_param[p].pid for _, unit in units for p in unit.parameters()}
+    schedule = EagerSchedule(list(refs_by_param.values()), unit_ids, config.eager_prefetch)
     per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
     for sub, local, p in _owned_params(module):
         ref = refs_by_param[p]

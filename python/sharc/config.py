@@ -37,6 +37,14 @@ class ShardConfig:
     through forward (costs one small all-gather per collective). Applies to
     everything sharded on the group."""
 
+    eager_prefetch: bool = True
+    """Outside compiled graphs, from the second step on, gather each
+    module's parameters as one collective when its first one is read, and
+    the next module's (in the previous step's order) right behind it, in
+    forward and in backward. Costs up to two modules' gathered parameters
+    (and a bucket's staging) instead of one parameter at a time; see
+    python/sharc/_eager_prefetch.py."""
+
     mixed_precision: MixedPrecision | None = None
     """Gather parameters and reduce gradients in smaller floating dtypes
     while the shards (and the optimizer state) keep the model's dtype; see
@@ -51,7 +59,7 @@ class ShardConfig:
                                     "parameter names")
         self.gather_units = _names("ShardConfig.gather_units", self.gather_units,
                                    "module names")
-        for name in ("verify_replicas", "verify_schedule"):
+        for name in ("verify_replicas", "verify_schedule", "eager_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"ShardConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,6 +1,7 @@
 #include "sharc/runtime/runtime.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -263,15 +264,38 @@ bool Runtime::release_or_hand_over(int64_t id) {
   return false;
 }
 
-at::Tensor Runtime::pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const {
-  SHARC_CHECK(full_grad.numel() == p.layout.numel, "sharc: gradient of '", p.name,
-              "' has ", full_grad.numel(), " elements, expected ", p.layout.numel);
-  // The collective may overwrite its input (gloo reduces in place), so the
-  // padded input is always a buffer of our own.
-  at::Tensor padded = at::empty({p.layout.padded_numel()}, full_grad.options());
-  padded.narrow(0, 0, p.layout.numel).copy_(full_grad.reshape({-1}));
-  padded.narrow(0, p.layout.numel, p.layout.padding()).zero_();
-  return padded;
+void Runtime::write_rows(const ShardedParam& p, const at::Tensor& flat_grad,
+                         at::Tensor rows) const {
+  const int64_t n = p.layout.numel;
+  SHARC_CHECK(flat_grad.numel() == n, "sharc: gradient of '", p.name, "' has ",
+              flat_grad.numel(), " elements, expected ", n);
+  // Row r is rank r's shard: elements [r * width, (r + 1) * width) of the
+  // padded flat gradient, the padding (at the end) zero.
+  const int64_t width = p.layout.shard_numel();
+  if (width == 0) return;
+  const int64_t full_rows = n / width;
+  const int64_t rest = n - full_rows * width;
+  at::Tensor flat = flat_grad.reshape({-1});
+  rows.narrow(0, 0, full_rows).copy_(flat.narrow(0, 0, full_rows * width).view({full_rows, width}));
+  if (full_rows == rows.size(0)) return;
+  at::Tensor partial = rows.select(0, full_rows);
+  partial.narrow(0, 0, rest).copy_(flat.narrow(0, full_rows * width, rest));
+  partial.narrow(0, rest, width - rest).zero_();
+  rows.narrow(0, full_rows + 1, rows.size(0) - full_rows - 1).zero_();
+}
+
+at::Tensor Runtime::nonfinite_flag(const at::Tensor& grid) {
+  // Exact and cheap: a sum is finite only if every element is. On the host a
+  // plain sum settles it unless it overflowed, which the element-wise check
+  // then tells apart; on a device, reading the sum back would make the host
+  // wait, so x * 0 (NaN exactly where x is not finite) is summed instead.
+  if (grid.numel() == 0) return at::zeros({1, 1}, grid.options());
+  if (grid.is_cpu()) {
+    const bool finite = std::isfinite(grid.sum().item<double>());
+    const bool any = !finite && !at::isfinite(grid).all().item<bool>();
+    return at::full({1, 1}, any ? 1.0 : 0.0, grid.options());
+  }
+  return grid.mul(0).sum().isnan().to(grid.scalar_type()).view({1, 1});
 }
 
 at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
@@ -304,32 +328,42 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
   for (int64_t id : ids) {
     bucket_dtype = c10::promoteTypes(bucket_dtype, param(id).spec.reduce_dtype);
   }
-  std::vector<at::Tensor> rows;  // each gradient as world_size rows of its shard
+  // Rank-major input: row r holds rank r's slice of every gradient, then
+  // one column saying whether this rank's gradients hold a non-finite value,
+  // so every rank learns it (see wait_reduce_scatter). Each gradient is
+  // copied once, straight into its columns; the input is kept alive with
+  // the work, since the collective reads (and with gloo overwrites) it.
+  int64_t columns = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     ShardedParam& p = param(ids[i]);
     pending.widths.push_back(p.layout.shard_numel());
     pending.dtypes.push_back(p.spec.grad_dtype);
     pending.held.push_back(held[i]);
-    if (held[i]) {
-      hold_unreduced(p, full_grads[i]);
-      continue;
-    }
-    at::Tensor padded = pad_grad(p, take_unreduced(p, full_grads[i], bucket_dtype));
-    rows.push_back(padded.view({world, p.layout.shard_numel()}));
+    if (!held[i]) columns += p.layout.shard_numel();
   }
   const at::TensorOptions options = full_grads[0].options().dtype(bucket_dtype);
-  if (rows.empty()) {
+  if (std::all_of(held.begin(), held.end(), [](bool h) { return h; })) {  // nothing to send
+    for (size_t i = 0; i < ids.size(); ++i) hold_unreduced(param(ids[i]), full_grads[i]);
     pending.out = at::empty({0}, options);
   } else {
-    // Rank-major input: row r holds rank r's slice of every gradient, and
-    // one more column saying whether this rank's gradients hold a non-finite
-    // value, so every rank learns it (see wait_reduce_scatter). The input
-    // is kept alive with the work: the collective reads it until done.
-    at::Tensor grid = rows.size() == 1 ? rows[0] : at::cat(rows, 1);
-    at::Tensor nonfinite = at::isfinite(grid).all().logical_not().to(bucket_dtype);
-    pending.input = at::cat({grid, nonfinite.expand({world, 1})}, 1).view({-1});
-    pending.out = at::empty({pending.input.numel() / world}, options);
-    agree_locked(kReduceScatter, ids, grid.device());
+    at::Tensor input = at::empty({world, columns + 1}, options);
+    int64_t column = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      ShardedParam& p = param(ids[i]);
+      if (held[i]) {
+        hold_unreduced(p, full_grads[i]);
+        continue;
+      }
+      const int64_t width = p.layout.shard_numel();
+      write_rows(p, take_unreduced(p, full_grads[i], bucket_dtype),
+                 input.narrow(1, column, width));
+      column += width;
+    }
+    at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
+    input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
+    pending.input = input.view({-1});
+    pending.out = at::empty({columns + 1}, options);
+    agree_locked(kReduceScatter, ids, input.device());
     pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
   }
@@ -476,6 +510,30 @@ void Runtime::set_spec(int64_t id, c10::ScalarType gather_dtype, c10::ScalarType
 GatherSpec Runtime::spec(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return param(id).spec;
+}
+
+std::vector<int64_t> Runtime::drop_unheld(const std::vector<int64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> dropped;
+  for (int64_t id : ids) {
+    ShardedParam& p = param(id);
+    const ParamState s = p.state.state();
+    const bool unheld = (s == ParamState::Gathering) ||
+                        (s == ParamState::Gathered && p.state.holds() == 0);
+    if (!unheld || p.state.persistent()) continue;
+    if (s == ParamState::Gathering) {
+      std::shared_ptr<GatherInFlight> gather = p.pending;  // outlives the resets inside
+      finish_gather_locked(*gather);
+    }
+    p.state.acquire();  // the state machine frees through the last hold
+    p.state.release();
+    c10::Storage storage = p.base.storage();
+    free_storage(storage);
+    accounting_.on_freed(p.full_bytes());
+    p.handed_out.clear();
+    dropped.push_back(id);
+  }
+  return dropped;
 }
 
 void Runtime::set_persistent(int64_t id, bool persistent) {

@@ -107,8 +107,9 @@ def _diverge(rank, world, mode):
     import sharc
 
     model = _Skipper()
-    sharc.shard(model, config=sharc.ShardConfig(verify_schedule=True))
-    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    sharc.shard(model, config=sharc.ShardConfig(verify_schedule=True,
+                                                 eager_prefetch=mode == "eager, prefetch"))
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
     step(torch.ones(2, 6), False).backward()  # the same path: fine
     try:
         step(torch.ones(2, 6), rank == 1).backward()
@@ -117,7 +118,7 @@ def _diverge(rank, world, mode):
     return "no error"
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "eager, prefetch", "compiled"])
 def test_verify_schedule_names_where_ranks_diverged(mode):
     messages = run_ranks(_diverge, 2, mode, timeout=120)
     for rank, message in enumerate(messages):
@@ -126,6 +127,8 @@ def test_verify_schedule_names_where_ranks_diverged(mode):
         assert "ShardConfig.gather_units" in message
         if mode == "eager":  # compiled, the gathers share one bucket from 'first.'
             assert "'middle." in message and "'last." in message
+        if mode == "eager, prefetch":  # both prefetched 'middle.'; rank 1 never reduces it
+            assert "'middle." in message
 
 
 def _read_on_rank_zero(rank, world):

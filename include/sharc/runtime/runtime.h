@@ -188,6 +188,12 @@ class Runtime : public torch::CustomClassHolder {
   /// collective each); its traffic is not counted in stats().
   void set_verify_schedule(bool verify);
 
+  /// Frees each of `ids` that is gathered (or in flight, which is waited
+  /// for first) with no hold and not persistent: what a prefetch gathered
+  /// for a use that did not come. Others are left alone. Returns those
+  /// freed. Does not communicate (beyond finishing a collective in flight).
+  std::vector<int64_t> drop_unheld(const std::vector<int64_t>& ids);
+
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
 
@@ -229,7 +235,12 @@ class Runtime : public torch::CustomClassHolder {
   /// One collective for `ids`, all needing a gather, in `dtype`.
   void start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype);
   void finish_gather_locked(GatherInFlight& gather);
-  at::Tensor pad_grad(const ShardedParam& p, const at::Tensor& full_grad) const;
+  /// Writes a full gradient (flat, numel elements) into `rows` (world_size
+  /// x shard width, a column block of a reduce-scatter's input) as the
+  /// ranks' shards, padding zeroed.
+  void write_rows(const ShardedParam& p, const at::Tensor& flat_grad, at::Tensor rows) const;
+  /// 1 x 1 in `grid`'s dtype: 1 if any element of `grid` is not finite, else 0.
+  static at::Tensor nonfinite_flag(const at::Tensor& grid);
   /// A true-shape tensor over the buffer, recorded in `handed_out`.
   at::Tensor hand_out(ShardedParam& p);
   /// The gradient to reduce now: `grad` plus what no_sync held back.
