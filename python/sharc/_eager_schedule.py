@@ -36,7 +36,9 @@ import warnings
 import torch
 from torch.utils._pytree import tree_leaves
 
+from sharc import _rank_check
 from sharc._eager_prefetch import PassPrefetch
+from sharc._rank_check import RankCheck
 from sharc._param_ref import ShardedParamRef
 
 
@@ -166,8 +168,9 @@ class EagerSchedule:
     """Gather/release policy for one sharded root module (see the note above)."""
 
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
-                 prefetch: bool = True):
+                 prefetch: bool = True, checks: RankCheck | None = None):
         self._scopes: list[_Scope] = []
+        self._checks = checks  # reads outside forward are collective: checked first
         # One group gathered ahead, from the previous pass's order (see the
         # note in _eager_prefetch.py); gather units gather on their own.
         runtime = refs[0].runtime if refs and prefetch else None
@@ -227,6 +230,8 @@ class EagerSchedule:
         if self.unsharded is not None:
             return self.unsharded[ref.pid]
         if not self._scopes:  # a copy of its own, in the master dtype
+            if self._checks is not None:
+                self._checks.agree(_rank_check.OUTSIDE_READ, f"'{ref.fqn}'", ref.pid)
             copy = ref.all_gather_op().as_subclass(OutsideForwardCopy)
             copy.sharc_fqn = ref.fqn
             return copy

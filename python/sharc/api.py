@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from sharc import _full_param_access, _validate, mixed_precision
 from sharc._eager_schedule import EagerSchedule, GatherUnit
+from sharc._rank_check import RankCheck
 from sharc._library import Runtime
 from sharc._module_state import ModuleState, state_of
 from sharc._param_ref import ShardedParamRef
@@ -58,14 +59,16 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         if fqn in config.keep_gathered:
             runtime.set_persistent(refs_by_param[p].pid, True)
     unit_ids = {refs_by_param[p].pid for _, unit in units for p in unit.parameters()}
-    schedule = EagerSchedule(list(refs_by_param.values()), unit_ids, config.eager_prefetch)
+    checks = RankCheck(group, config.rank_check_timeout_s)
+    schedule = EagerSchedule(list(refs_by_param.values()), unit_ids, config.eager_prefetch,
+                             checks)
     per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
     for sub, local, p in _owned_params(module):
         ref = refs_by_param[p]
         sub._parameters[local] = ref.shard
         per_module.setdefault(sub, {})[local] = ref
     per_module.setdefault(module, {})  # the root too: it refuses deepcopy and casts
-    root = _ShardedRoot(group, runtime, refs_by_param)
+    root = _ShardedRoot(group, runtime, refs_by_param, checks)
     for sub, refs in per_module.items():
         state = ModuleState(refs, schedule, root if sub is module else None)
         _full_param_access.install(sub, state)
@@ -138,9 +141,10 @@ class _ShardedRoot:
     a process group alive past destroy_process_group() (the runtime holds it
     weakly too)."""
 
-    def __init__(self, group, runtime, refs_by_param):
+    def __init__(self, group, runtime, refs_by_param, checks: RankCheck):
         self.group_name = group.group_name
         self.runtime = runtime
+        self.checks = checks  # every rank reached a collective call (_rank_check.py)
         self.refs_by_shard = {id(ref.shard): ref for ref in refs_by_param.values()}
 
     @property

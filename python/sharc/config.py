@@ -45,6 +45,13 @@ class ShardConfig:
     (and a bucket's staging) instead of one parameter at a time; see
     python/sharc/_eager_prefetch.py."""
 
+    rank_check_timeout_s: float = 120.0
+    """How long a rank waits for the others at a call every rank must make
+    although it looks local (a parameter read outside forward,
+    sharc.full_state_dict, sharc.load_full_state_dict, sharc.unsharded).
+    A rank that makes one alone raises after this long, naming the call,
+    instead of pairing it with the other ranks' next collective."""
+
     mixed_precision: MixedPrecision | None = None
     """Gather parameters and reduce gradients in smaller floating dtypes
     while the shards (and the optimizer state) keep the model's dtype; see
@@ -59,6 +66,10 @@ class ShardConfig:
                                     "parameter names")
         self.gather_units = _names("ShardConfig.gather_units", self.gather_units,
                                    "module names")
+        timeout = self.rank_check_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError("ShardConfig.rank_check_timeout_s must be a number of seconds > 0, "
+                             f"got {timeout!r}")
         for name in ("verify_replicas", "verify_schedule", "eager_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(

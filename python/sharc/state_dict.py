@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from sharc import _rank_check
 from sharc.api import sharded_root
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with every parameter gathered to its true shape
-    (on every rank). Collective: every rank must call it. Tied parameters
-    appear under each of their names, as in nn.Module.state_dict()."""
+    (on every rank). Collective: every rank must call it (checked: a rank
+    that calls it alone raises). Tied parameters appear under each of their
+    names, as in nn.Module.state_dict()."""
     root = sharded_root(module)
+    root.checks.agree(_rank_check.FULL_STATE_DICT)
     gathered: dict[int, torch.Tensor] = {}
     out = {}
     for name, value in module.state_dict(keep_vars=True).items():
@@ -28,7 +31,11 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Loads an unsharded state dict: each rank keeps its slice of every
     parameter and a copy of every buffer. Raises on missing or unexpected keys
-    and on shape mismatches before changing anything. Not collective."""
+    and on shape mismatches before changing anything. Collective: every rank
+    must load the same state dict, which is checked (an order-sensitive
+    checksum of every name, shape and byte, exchanged before anything
+    changes): a load on one rank only, or of another checkpoint on one rank,
+    raises instead of leaving a model that is part one, part the other."""
     root = sharded_root(module)
     own = module.state_dict(keep_vars=True)
     missing = sorted(set(own) - set(state_dict))
@@ -47,6 +54,8 @@ def load_full_state_dict(module: torch.nn.Module, state_dict: dict[str, torch.Te
         if tuple(state_dict[name].shape) != shape:
             raise ValueError(f"load_full_state_dict: '{name}' has shape "
                              f"{tuple(state_dict[name].shape)}, the module expects {shape}")
+    root.checks.agree(_rank_check.LOAD_FULL_STATE_DICT,
+                      value=_rank_check.checksum({k: state_dict[k] for k in own}))
     with torch.no_grad():
         for name, value in own.items():
             ref = root.refs_by_shard.get(id(value))

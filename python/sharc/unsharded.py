@@ -8,6 +8,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from sharc import _rank_check
 from sharc._module_state import state_of
 from sharc._validate import _digest
 from sharc.api import sharded_root, unwrap_compiled
@@ -25,7 +26,8 @@ def unsharded(module: torch.nn.Module, writeback: bool = False):
     parameter that differs, before writing anything back. Not
     for training: the full tensors do not pass gradients to the shards.
     Holds every full parameter at once (the whole model's bytes).
-    Collective: every rank must enter and leave it alike.
+    Collective: every rank must enter and leave it alike (checked on entry:
+    a rank that enters alone raises).
     """
     if not isinstance(writeback, bool):
         raise TypeError(f"sharc.unsharded: writeback must be a bool, got {writeback!r}")
@@ -34,6 +36,7 @@ def unsharded(module: torch.nn.Module, writeback: bool = False):
     if schedule.unsharded is not None:
         raise RuntimeError("sharc.unsharded: this model is already inside sharc.unsharded()")
     refs = list(root.refs_by_shard.values())
+    root.checks.agree(_rank_check.UNSHARDED)
     with torch.no_grad():
         fulls = {ref.pid: root.runtime.read_full(ref.pid) for ref in refs}
     # By value, not version counter: writes through `.data` bump no counter.

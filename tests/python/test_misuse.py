@@ -89,6 +89,7 @@ SHARD_CONFIG_CASES = [
     (dict(verify_replicas=1), TypeError, "ShardConfig.verify_replicas must be a bool"),
     (dict(verify_schedule="on"), TypeError, "ShardConfig.verify_schedule must be a bool"),
     (dict(eager_prefetch=1), TypeError, "ShardConfig.eager_prefetch must be a bool"),
+    (dict(rank_check_timeout_s=0), ValueError, "rank_check_timeout_s must be a number of seconds > 0"),
     (dict(keep_gathered="fc.weight"), TypeError, "got the string 'fc.weight': write"),
     (dict(keep_gathered=5), TypeError, "keep_gathered must be a tuple of parameter names"),
     (dict(keep_gathered=("w", 3)), TypeError, "(strings), got 3 in it"),
