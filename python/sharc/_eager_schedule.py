@@ -170,7 +170,7 @@ class EagerSchedule:
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
                  prefetch: bool = True, checks: RankCheck | None = None):
         self._scopes: list[_Scope] = []
-        self._checks = checks  # reads outside forward are collective: checked first
+        self.checks = checks  # reads outside forward are collective: checked first
         # One group gathered ahead, from the previous pass's order (see the
         # note in _eager_prefetch.py); gather units gather on their own.
         runtime = refs[0].runtime if refs and prefetch else None
@@ -185,6 +185,8 @@ class EagerSchedule:
         self._units_in_backward: list[GatherUnit] = []
         self._end_of_backward_queued = False
         self._warned_kept: set[int] = set()
+        # While sharc's own code reads the shards by module.state_dict().
+        self.raw_state_dict = False
         # sharc.unsharded(): parameter id -> the full tensor every read gives.
         self.unsharded: dict[int, torch.Tensor] | None = None
 
@@ -230,8 +232,8 @@ class EagerSchedule:
         if self.unsharded is not None:
             return self.unsharded[ref.pid]
         if not self._scopes:  # a copy of its own, in the master dtype
-            if self._checks is not None:
-                self._checks.agree(_rank_check.OUTSIDE_READ, f"'{ref.fqn}'", ref.pid)
+            if self.checks is not None:
+                self.checks.agree(_rank_check.OUTSIDE_READ, f"'{ref.fqn}'", ref.pid)
             copy = ref.all_gather_op().as_subclass(OutsideForwardCopy)
             copy.sharc_fqn = ref.fqn
             return copy

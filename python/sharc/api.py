@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from sharc import _full_param_access, _validate, mixed_precision
+from sharc import _full_param_access, _state_dict_hooks, _validate, mixed_precision
 from sharc._eager_schedule import EagerSchedule, GatherUnit
 from sharc._rank_check import RankCheck
 from sharc._library import Runtime
@@ -72,6 +72,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     for sub, refs in per_module.items():
         state = ModuleState(refs, schedule, root if sub is module else None)
         _full_param_access.install(sub, state)
+        _state_dict_hooks.install(sub, state)
         sub.register_forward_pre_hook(schedule.forward_pre_hook)
         sub.register_forward_hook(schedule.forward_hook, always_call=True)
     for _, unit in units:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from sharc._sharded_view import copy_into_flat, scalar_view, sharded_view
+from sharc._state_dict_hooks import own_state_dict
 from sharc.api import sharded_root, unwrap_compiled
 
 
@@ -76,7 +77,7 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     export = _Exporter(root.group)
     views: dict[int, object] = {}  # one value per shard, shared by tied names
     model_sd = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    for name, value in own_state_dict(model).items():
         ref = root.refs_by_shard.get(id(value))
         if ref is None:
             model_sd[_clean(name)] = value.detach()
@@ -162,7 +163,7 @@ def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     """
     model = unwrap_compiled(model)
     root = sharded_root(model)
-    own = {_clean(k): v for k, v in model.state_dict(keep_vars=True).items()}
+    own = {_clean(k): v for k, v in own_state_dict(model).items()}
     _check_model_keys(own, model_state_dict, root)
     if optimizer is not None:
         if optim_state_dict is None:

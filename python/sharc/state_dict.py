@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sharc import _rank_check
+from sharc._state_dict_hooks import own_state_dict
 from sharc.api import sharded_root
 
 
@@ -17,7 +18,7 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     root.checks.agree(_rank_check.FULL_STATE_DICT)
     gathered: dict[int, torch.Tensor] = {}
     out = {}
-    for name, value in module.state_dict(keep_vars=True).items():
+    for name, value in own_state_dict(module).items():
         ref = root.refs_by_shard.get(id(value))
         if ref is None:
             out[name] = value.detach().clone()
@@ -37,7 +38,7 @@ def load_full_state_dict(module: torch.nn.Module, state_dict: dict[str, torch.Te
     changes): a load on one rank only, or of another checkpoint on one rank,
     raises instead of leaving a model that is part one, part the other."""
     root = sharded_root(module)
-    own = module.state_dict(keep_vars=True)
+    own = own_state_dict(module)
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:

@@ -1,0 +1,79 @@
+"""`module.state_dict()` and `module.load_state_dict()` on a sharded model
+speak full tensors, as on the model before shard().
+
+Without these hooks a sharded module's state dict would hold each rank's
+flat padded shard under the parameter's original name: saved, it looks like
+a checkpoint and is not one. So each module that owns sharded parameters
+gets two hooks:
+
+- after `state_dict()`, each of its parameters is replaced by the full
+  tensor (a gather: collective, checked like every read outside forward,
+  see _rank_check.py);
+- before `load_state_dict()`, an entry of the parameter's full shape is
+  loaded into the shard (every rank must load the same values: checked by
+  checksum before the shard changes) and replaced by the shard itself, so
+  torch's own copy changes nothing. An entry of the shard's flat shape (a
+  rank's own shard) is left to torch's copy.
+
+sharc's own code reads the shards themselves through `own_state_dict`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sharc import _rank_check
+from sharc._module_state import ModuleState, state_of
+
+
+def install(module: torch.nn.Module, state: ModuleState) -> None:
+    """Hooks `module`'s state_dict and load_state_dict (its own parameters)."""
+    if not state.refs:
+        return
+
+    def full_entries(_module, state_dict, prefix, _local_metadata) -> None:
+        if state.schedule.raw_state_dict:
+            return
+        for local, ref in state.refs.items():
+            key = prefix + local
+            if key in state_dict:
+                state.schedule.checks.agree(_rank_check.FULL_STATE_DICT, f"'{key}'", ref.pid)
+                state_dict[key] = ref.runtime.read_full(ref.pid)
+
+    def load_full_entries(_module, state_dict, prefix, *_) -> None:
+        if state.schedule.raw_state_dict:
+            return
+        for local, ref in state.refs.items():
+            key = prefix + local
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != ref.shape:
+                continue  # a shard, or a mismatch torch's own copy reports
+            state.schedule.checks.agree(_rank_check.LOAD_FULL_STATE_DICT, f"'{key}'",
+                                        _rank_check.checksum({key: value}))
+            with torch.no_grad():
+                ref.runtime.load_full(ref.pid, value)
+            state_dict[key] = ref.shard.detach()
+
+    module.register_state_dict_post_hook(full_entries)
+    module.register_load_state_dict_pre_hook(load_full_entries)
+
+
+@contextlib.contextmanager
+def _raw(module: torch.nn.Module):
+    from sharc.api import unwrap_compiled
+
+    schedule = state_of(unwrap_compiled(module)).schedule
+    before, schedule.raw_state_dict = schedule.raw_state_dict, True
+    try:
+        yield
+    finally:
+        schedule.raw_state_dict = before
+
+
+def own_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict(keep_vars=True)` with the shards themselves (the
+    nn.Parameters the optimizer holds), as sharc's own code needs them."""
+    with _raw(module):
+        return module.state_dict(keep_vars=True)
