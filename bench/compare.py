@@ -116,9 +116,9 @@ def _run_phase(names, results, batch, args, config) -> None:
         if c.name.startswith("sharc"):
             stats = sharc.memory_stats(sharc.api.sharded_root(c.model).group)
             steps = len(times[c.name])
-            results[c.name].update(
-                peak_gathered_bytes=stats["peak_gathered_bytes"],
-                exposed_comm_s=(stats["gather_wait_ns"] + stats["reduce_wait_ns"]) / 1e9 / steps)
+            waited_ns = stats["gather_wait_ns"] + stats["reduce_wait_ns"]
+            results[c.name].update(peak_gathered_bytes=stats["peak_gathered_bytes"],
+                                   exposed_comm_s=waited_ns / 1e9 / steps)
         results[c.name].update(
             step_s=median_step_s(times[c.name]),
             resident_bytes=resident_bytes(c),
