@@ -41,7 +41,13 @@ void MemoryAccounting::on_unreduced(int64_t bytes) {
   stats_.unreduced_grad_bytes += bytes;
 }
 
+void MemoryAccounting::on_gather_wait(int64_t ns) { stats_.gather_wait_ns += ns; }
+
+void MemoryAccounting::on_reduce_wait(int64_t ns) { stats_.reduce_wait_ns += ns; }
+
 void MemoryAccounting::reset() {
+  stats_.gather_wait_ns = 0;
+  stats_.reduce_wait_ns = 0;
   stats_.allgather_bytes = 0;
   stats_.reduce_scatter_bytes = 0;
   stats_.allgather_calls = 0;

@@ -61,4 +61,11 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& out,
   return live_group()->SHARC_REDUCE_SCATTER_SINGLE(out, in, options);
 }
 
+c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& t) {
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  return live_group()->allreduce(tensors, options);
+}
+
 }  // namespace sharc

@@ -1,6 +1,7 @@
 #include "sharc/runtime/runtime.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -11,6 +12,17 @@
 #include "sharc/core/error.h"
 
 namespace sharc {
+namespace {
+
+// Waits for `work`; returns the nanoseconds the host was blocked.
+int64_t timed_wait(c10d::Work& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work.wait();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
 
 ShardedParam::ShardedParam(std::string name_, std::vector<int64_t> shape_,
                            ShardLayout layout_, at::Tensor shard_)
@@ -151,7 +163,7 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
   RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
-  if (gather.work) gather.work->wait();
+  if (gather.work) accounting_.on_gather_wait(timed_wait(*gather.work));
   gather.work.reset();
   const int64_t world = comm_.world_size();
   for (size_t i = 0; i < gather.ids.size(); ++i) {
@@ -387,7 +399,11 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
     pending = std::move(it->second);
     reductions_.erase(it);
   }
-  if (pending.work) pending.work->wait();
+  if (pending.work) {
+    const int64_t ns = timed_wait(*pending.work);
+    std::lock_guard<std::mutex> lock(mutex_);
+    accounting_.on_reduce_wait(ns);
+  }
   at::Tensor out = pending.out.div_(comm_.world_size());
   // A non-finite gradient on any rank makes every rank's shard gradients
   // NaN: an inf that lands in one rank's shard would otherwise let a loss
@@ -574,7 +590,20 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("allgather_calls", s.allgather_calls);
   out.insert("reduce_scatter_calls", s.reduce_scatter_calls);
   out.insert("unreduced_grad_bytes", s.unreduced_grad_bytes);
+  out.insert("gather_wait_ns", s.gather_wait_ns);
+  out.insert("reduce_wait_ns", s.reduce_wait_ns);
   return out;
+}
+
+std::vector<double> Runtime::collective_costs() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!costs_) {
+    const c10::Device device = params_.empty() ? c10::Device(c10::kCPU)
+                                               : params_.front()->shard.device();
+    costs_ = measure_collective_costs(comm_, device);
+  }
+  return {costs_->all_gather.latency_us, costs_->all_gather.us_per_byte,
+          costs_->reduce_scatter.latency_us, costs_->reduce_scatter.us_per_byte};
 }
 
 void Runtime::reset_stats() {

@@ -45,5 +45,6 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)
       .def("stats", &sharc::Runtime::stats)
+      .def("collective_costs", &sharc::Runtime::collective_costs)
       .def("reset_stats", &sharc::Runtime::reset_stats);
 }

@@ -22,6 +22,11 @@ struct MemoryStats {
   int64_t reduce_scatter_calls = 0;  ///< reduce-scatter collectives since reset
   /// Full gradients held back from reduction (no_sync micro-batches).
   int64_t unreduced_grad_bytes = 0;
+  /// Host time blocked waiting for all-gathers / reduce-scatters to finish
+  /// since reset: the communication the schedule did not hide. (On CUDA a
+  /// wait only orders streams, so this measures host blocking only.)
+  int64_t gather_wait_ns = 0;
+  int64_t reduce_wait_ns = 0;
 };
 
 class MemoryAccounting {
@@ -34,6 +39,8 @@ class MemoryAccounting {
   void on_reduce_scatter_sent(int64_t bytes);
   /// Full gradients kept unreduced grow or shrink by `bytes`.
   void on_unreduced(int64_t bytes);
+  void on_gather_wait(int64_t ns);
+  void on_reduce_wait(int64_t ns);
   /// Zeroes the communication counters and sets the peak to the current level.
   void reset();
 

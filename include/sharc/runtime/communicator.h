@@ -43,6 +43,9 @@ class Communicator {
   /// caller divides.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in);
 
+  /// Non-blocking. Element-wise maximum of `t` over the group, in place.
+  c10::intrusive_ptr<c10d::Work> all_reduce_max(at::Tensor& t);
+
  private:
   /// The group for one call; throws naming the group if it was destroyed.
   c10::intrusive_ptr<c10d::ProcessGroup> live_group() const;

@@ -18,6 +18,7 @@
 #include <torch/custom_class.h>
 
 #include "sharc/core/accounting.h"
+#include "sharc/runtime/collective_probe.h"
 #include "sharc/runtime/communicator.h"
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
@@ -206,6 +207,14 @@ class Runtime : public torch::CustomClassHolder {
   c10::Dict<std::string, int64_t> stats();
   void reset_stats();
 
+  /// What this group's collectives cost, measured on the first call (a
+  /// few small collectives on the parameters' device, the same numbers on
+  /// every rank: collective, every rank must call it) and cached: [all-gather
+  /// latency µs, all-gather µs per byte, reduce-scatter latency µs,
+  /// reduce-scatter µs per byte], bytes being the full tensor's. Not
+  /// counted in stats().
+  std::vector<double> collective_costs();
+
   int64_t rank() const { return comm_.rank(); }
   int64_t world_size() const { return comm_.world_size(); }
   const std::string& group_name() const { return comm_.group_name(); }
@@ -259,6 +268,7 @@ class Runtime : public torch::CustomClassHolder {
   std::map<const void*, int64_t> token_tensors_;  ///< token_tensor() addresses
   bool gradient_sync_ = true;
   bool verify_schedule_ = false;
+  std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };
 
