@@ -29,6 +29,7 @@ const char* to_string(Rule rule) {
     case Rule::WaitsFollowGathers: return "each wait right after its gather";
     case Rule::GradientsReduced: return "gradients reduced";
     case Rule::ReductionsWaited: return "reductions waited";
+    case Rule::WithinBudget: return "within the memory budget";
   }
   return "unknown";
 }
@@ -158,11 +159,16 @@ void parse_argument(Node& node, const std::string& tok, int lineno) {
   }
 }
 
-constexpr const char* kParamForm = "'param @N \"name\" bytes=B [dtype=D]'";
+constexpr const char* kParamForm = "'param @N \"name\" bytes=B [dtype=D] [kept]'";
 
 // One `key=value` after a parameter's name; `seen` holds the keys so far.
 void parse_param_attribute(Param& param, const std::string& tok, std::set<std::string>& seen,
                            int lineno) {
+  if (tok == "kept") {
+    SHARC_CHECK(seen.insert(tok).second, "sharc ir line ", lineno, ": 'kept' given twice");
+    param.kept = true;
+    return;
+  }
   const size_t eq = tok.find('=');
   SHARC_CHECK(eq != std::string::npos, "sharc ir line ", lineno, ": unexpected '", tok,
               "'; expected ", kParamForm);
@@ -280,6 +286,7 @@ std::string print(const Graph& graph) {
   for (const auto& [id, p] : graph.params) {
     out << "param @" << id << " \"" << p.name << "\" bytes=" << p.bytes;
     if (p.dtype) out << " dtype=" << *p.dtype;
+    if (p.kept) out << " kept";
     out << "\n";
   }
   for (const Node& n : graph.nodes) {

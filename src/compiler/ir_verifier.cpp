@@ -5,6 +5,7 @@
 
 #include "sharc/core/error.h"
 #include "sharc/compiler/ir.h"
+#include "sharc/compiler/memory.h"
 
 namespace sharc::ir {
 namespace {
@@ -232,6 +233,14 @@ class Verifier {
   // Every reduction is waited on and its shard gradients leave the graph:
   // a reduction nobody waits on never delivers, and one whose gradients the
   // output does not read delivers nothing.
+  void check_budget() {
+    const GatheredPeak peak = peak_gathered(graph_);
+    const int64_t budget = *options_.budget_bytes();
+    if (peak.bytes <= budget) return;
+    errors_.push_back(detail::concat("the schedule holds ", describe(graph_, peak),
+                                     ", above the memory budget of ", budget, " bytes"));
+  }
+
   void check_reductions_waited() {
     for (const auto& [token, params] : reductions_in_flight_) {
       std::string listing;
@@ -255,6 +264,7 @@ class Verifier {
       errors_.push_back(detail::concat("parameter @", p, " is gathered but never released"));
     }
     if (options_.demands(Rule::ReductionsWaited)) check_reductions_waited();
+    if (options_.demands(Rule::WithinBudget) && options_.budget_bytes()) check_budget();
     if (!options_.demands(Rule::GradientsReduced)) return;
     for (const auto& [p, count] : reductions_) {
       if (count != 1) {

@@ -1,25 +1,46 @@
 #include "sharc/compiler/pipeline.h"
 
+#include <algorithm>
+
 #include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
 
+int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cost) {
+  constexpr int64_t kSmallest = 64 << 10, kLargest = 64 << 20;
+  if (!gather_cost || gather_cost->us_per_byte <= 0) return kSmallest;
+  const double bytes = 9.0 * gather_cost->latency_us / gather_cost->us_per_byte;
+  return std::clamp<int64_t>(static_cast<int64_t>(std::min(bytes, 1e18)), kSmallest, kLargest);
+}
+
 PassManager make_pipeline(const PipelineOptions& options) {
-  PassManager manager;
+  VerifyOptions final_rules = VerifyOptions::complete();
+  if (options.memory_budget_bytes) final_rules.cap_gathered(*options.memory_budget_bytes);
+  PassManager manager(VerifyOptions::structural(), final_rules);
+  const std::optional<int64_t> budget = options.memory_budget_bytes;
+  const int64_t bucket_cap =
+      options.gather_bucket_bytes.value_or(auto_gather_bucket_bytes(options.gather_cost));
   // Re-gather comes first so the saved parameters it turns into direct reads
   // get their gathers from insertion; casting before the gather looks at
   // direct reads only, so it runs after re-gather (whose reads it sees) and
-  // before insertion (which gathers in the dtype it chose); bucketing needs
+  // before insertion (which gathers in the dtype it chose); the budget is
+  // checked, and parameters kept within it, on those dtypes' bytes, before
+  // insertion serves the direct reads they look at; bucketing needs
   // each gather still next to its wait, which prefetching undoes, so it runs
   // before prefetching. Waits on reductions are placed once every reduction
   // is in, since each goes right after the next one starts.
   manager.add(make_regather_in_backward())
       .add(make_cast_before_gather())
+      .add(make_check_memory_budget(budget))
+      .add(make_keep_gathered_params(budget, options.keep_for_backward
+                                                 ? options.gather_cost
+                                                 : std::optional<CollectiveCost>()))
       .add(make_insert_gather_release())
-      .add(make_bucket_allgathers(options.gather_bucket_bytes))
-      .add(make_prefetch_gathers())
+      .add(make_bucket_allgathers(bucket_cap, budget))
+      .add(make_prefetch_gathers(budget))
       .add(make_insert_reduce_scatter(options.reduce_bucket_bytes))
-      .add(make_place_reduce_waits());
+      .add(make_place_reduce_waits())
+      .add(make_annotate_collective_costs(options.gather_cost, options.reduce_cost));
   for (const std::string& name : options.disabled_passes) manager.disable(name);
   return manager;
 }

@@ -125,24 +125,24 @@ std::string parse_error(const std::string& text) {
 TEST(IrText, BadDtypesAndParamLinesNameTheLineAndTheForm) {
   const std::string head = "param @0 \"w\" bytes=4\n";
   EXPECT_EQ(parse_error(head + "param @1 \"v\" dtype=float32\n"),
-            "sharc ir line 2: missing 'bytes='; expected 'param @N \"name\" bytes=B [dtype=D]'");
+            "sharc ir line 2: missing 'bytes='; expected 'param @N \"name\" bytes=B [dtype=D] [kept]'");
   EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 bytes=8\n"),
             "sharc ir line 2: 'bytes=' given twice");
   EXPECT_EQ(parse_error(head + "param @1 \"v\" dtype=float32 bytes=4 dtype=float16\n"),
             "sharc ir line 2: 'dtype=' given twice");
   EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 shape=2\n"),
             "sharc ir line 2: unknown parameter attribute 'shape'; expected "
-            "'param @N \"name\" bytes=B [dtype=D]'");
+            "'param @N \"name\" bytes=B [dtype=D] [kept]'");
   EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 float32\n"),
             "sharc ir line 2: unexpected 'float32'; expected "
-            "'param @N \"name\" bytes=B [dtype=D]'");
+            "'param @N \"name\" bytes=B [dtype=D] [kept]'");
   EXPECT_EQ(parse_error(head + "param @1 \"v\" bytes=4 dtype=torch.float32\n"),
             "sharc ir line 2: bad dtype 'torch.float32'; expected a name like float32 or "
             "bfloat16");
   EXPECT_EQ(parse_error("param @1 \"v\" bytes=4 dtype=\n"),
             "sharc ir line 1: bad dtype ''; expected a name like float32 or bfloat16");
   EXPECT_EQ(parse_error("param @1 bytes=4\n"),
-            "sharc ir line 1: expected 'param @N \"name\" bytes=B [dtype=D]'");
+            "sharc ir line 1: expected 'param @N \"name\" bytes=B [dtype=D] [kept]'");
   EXPECT_EQ(parse_error("%x = input bytes=4 cast=bfloat16\n"),
             "sharc ir line 1: only compute nodes take 'cast=' (a conversion of the operand), "
             "not input nodes");

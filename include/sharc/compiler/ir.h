@@ -7,6 +7,7 @@
 //
 //   param @0 "blocks.0.fc.weight" bytes=4096 dtype=float32
 //                                                  declares a sharded parameter
+//   param @1 "ln.weight" bytes=64 dtype=float32 kept  one that stays gathered
 //   %x = input bytes=256                           graph input
 //   %w = input param=@0                            full parameter saved by forward
 //   %g = gather @0 @1                              all-gather in flight (bucket)
@@ -31,7 +32,8 @@
 //
 // A parameter's `bytes` and `dtype` are those of its gathered (full) value;
 // after its name they come in any order, and `dtype=` may be left out (the
-// dtype is then unknown). Dtypes are torch's names without `torch.`
+// dtype is then unknown). `kept` marks a parameter that stays gathered
+// across graphs (Param::kept). Dtypes are torch's names without `torch.`
 // (dtype.h). `cast=D` marks a compute node as an element-wise conversion of
 // its single operand to dtype D. Printing puts a param's `bytes=` before its
 // `dtype=`, and a node's attributes in the order bytes, grad, cast, cost.
@@ -76,6 +78,10 @@ struct Param {
   std::string name;
   int64_t bytes = 0;                 ///< bytes of the full (gathered) parameter
   std::optional<std::string> dtype;  ///< dtype of the gathered parameter; unset: unknown
+  /// Stays gathered across graphs and steps (the runtime's persistent
+  /// parameters, chosen by selective unsharding or ShardConfig.keep_gathered):
+  /// its gather is a no-op while gathered and unchanged, its release always.
+  bool kept = false;
 };
 
 struct Graph {
@@ -122,6 +128,9 @@ enum class Rule {
   GradientsReduced,    ///< every gradient is reduced exactly once
   /// every reduction is waited on, and the output reads every shard gradient
   ReductionsWaited,
+  /// the bytes gathered at once (memory.h) never exceed the memory budget
+  /// (VerifyOptions::cap_gathered)
+  WithinBudget,
 };
 
 /// The rule as messages name it, e.g. "gathers inserted".
@@ -155,9 +164,17 @@ class VerifyOptions {
   }
   bool demands(Rule rule) const { return rules_.count(rule) > 0; }
 
+  /// Demands WithinBudget with this many bytes as the cap.
+  VerifyOptions& cap_gathered(int64_t budget_bytes) {
+    budget_bytes_ = budget_bytes;
+    return require(Rule::WithinBudget);
+  }
+  std::optional<int64_t> budget_bytes() const { return budget_bytes_; }
+
  private:
   VerifyOptions() = default;
   std::set<Rule> rules_;
+  std::optional<int64_t> budget_bytes_;
 };
 
 /// Checks the structural rules and those `options` demand; returns one

@@ -5,8 +5,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
+#include "sharc/compiler/memory.h"
 #include "sharc/compiler/pass.h"
+#include "sharc/core/collective_cost.h"
 
 namespace sharc::ir {
 
@@ -35,6 +38,28 @@ std::unique_ptr<Pass> make_regather_in_backward();
 /// Precedes: gathers inserted.
 std::unique_ptr<Pass> make_cast_before_gather();
 
+/// Refuses a memory budget below the smallest this graph can run in: the
+/// peak of its plain schedule (every parameter gathered alone right before
+/// its first use, released right after its last; kept ones resident),
+/// throwing sharc::Error that names that smallest budget. Rewrites nothing;
+/// without a budget it does nothing.
+/// Precedes: gathers inserted.
+std::unique_ptr<Pass> make_check_memory_budget(std::optional<int64_t> budget_bytes);
+
+/// The peak of gathered bytes of `graph`'s plain schedule (see above); the
+/// graph reads its parameters directly.
+GatheredPeak plain_schedule_peak(const Graph& graph);
+
+/// Selective unsharding: marks `kept` parameters this graph reads, so they
+/// stay gathered from forward to backward (no re-gather) and across steps
+/// (gathered once per step, when their shard has changed). Greedy by the
+/// all-gather time saved per byte kept (`gather_cost`), while the kept bytes
+/// fit in half of what `budget_bytes` leaves above the plain schedule's
+/// peak. Without a budget or a cost it keeps nothing. Returns the number kept.
+/// Precedes: gathers inserted.
+std::unique_ptr<Pass> make_keep_gathered_params(std::optional<int64_t> budget_bytes,
+                                                std::optional<CollectiveCost> gather_cost);
+
 /// Every directly read parameter gets `gather` and `wait` right before its
 /// first use and `release` right after its last use (counted over all uses),
 /// the release depending on the last user's outputs.
@@ -45,14 +70,17 @@ std::unique_ptr<Pass> make_insert_gather_release();
 /// into one collective and one wait while their parameters total at most
 /// `bucket_bytes` and have one dtype: later gathers move up to the bucket's
 /// first position, so the bucket size bounds the extra bytes this
-/// prefetching keeps alive.
+/// prefetching keeps alive. With a budget, the cap halves until the bucketed
+/// schedule's peak fits it.
 /// Requires: each wait right after its gather (only such pairs are fused).
-std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes);
+std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes,
+                                             std::optional<int64_t> budget_bytes = {});
 
 /// Moves each gather up to right after the previous wait, so its collective
-/// runs while the compute before its own wait does (one bucket ahead).
+/// runs while the compute before its own wait does (one bucket ahead); with
+/// a budget, only the moves that keep the schedule within it.
 /// Requires: gathers inserted. Undoes: each wait right after its gather.
-std::unique_ptr<Pass> make_prefetch_gathers();
+std::unique_ptr<Pass> make_prefetch_gathers(std::optional<int64_t> budget_bytes = {});
 
 /// One reduce_scatter per gradient, consecutive gradients bucketed up to
 /// `bucket_bytes` (a larger gradient goes alone); each bucket is placed right
@@ -70,5 +98,12 @@ std::unique_ptr<Pass> make_insert_reduce_scatter(int64_t bucket_bytes);
 /// what leaves the graph. Returns the waits placed.
 /// Requires: gradients reduced. Establishes: reductions waited.
 std::unique_ptr<Pass> make_place_reduce_waits();
+
+/// Sets each gather's and reduce_scatter's `cost=` to its collective's
+/// predicted time (microseconds, from the measured costs; none unmeasured),
+/// so a dumped schedule shows them. Returns the nodes annotated.
+/// Requires: gathers inserted; gradients reduced.
+std::unique_ptr<Pass> make_annotate_collective_costs(std::optional<CollectiveCost> gather_cost,
+                                                     std::optional<CollectiveCost> reduce_cost);
 
 }  // namespace sharc::ir

@@ -5,30 +5,48 @@
 // they pin is what ships.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "sharc/compiler/pass.h"
+#include "sharc/core/collective_cost.h"
 
 namespace sharc::ir {
 
 /// How the pipeline's passes are configured; the Python CompileConfig fields
 /// of the same names are converted once into this struct.
 struct PipelineOptions {
-  /// bucket_allgathers' cap on the bytes one fused all-gather serves. The
-  /// default is CompileConfig's (python/sharc/config.py).
-  int64_t gather_bucket_bytes = 64 << 10;
+  /// bucket_allgathers' cap on the bytes one fused all-gather serves; unset:
+  /// chosen from the measured all-gather cost (auto_gather_bucket_bytes).
+  std::optional<int64_t> gather_bucket_bytes;
   /// insert_reduce_scatter's cap on the gradient bytes of one bucket.
   int64_t reduce_bucket_bytes = 4 << 20;
   /// Passes switched off by name.
   std::vector<std::string> disabled_passes;
+  /// The most parameter bytes gathered at once (memory.h); unset: no cap.
+  std::optional<int64_t> memory_budget_bytes;
+  /// Measured collective costs; unset: not measured.
+  std::optional<CollectiveCost> gather_cost;
+  std::optional<CollectiveCost> reduce_cost;
+  /// Whether selective unsharding may keep parameters gathered: for a
+  /// forward graph whose backward will read them again.
+  bool keep_for_backward = false;
 };
 
+/// The gather bucket cap when none is set: with a measured cost, the size at
+/// which the collective's latency is a tenth of its transfer time
+/// (9 x latency / time per byte, so fusing more saves little), between
+/// 64 KiB and 64 MiB; without one, 64 KiB.
+int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cost);
+
 /// A PassManager running sharc's passes in order: regather_in_backward,
-/// cast_before_gather, insert_gather_release, bucket_allgathers,
-/// prefetch_gathers, insert_reduce_scatter, place_reduce_waits. Its input
-/// rules are what the bridge's graphs satisfy (structural only); its final
-/// rules are a complete schedule's.
+/// cast_before_gather, check_memory_budget, keep_gathered_params,
+/// insert_gather_release, bucket_allgathers, prefetch_gathers,
+/// insert_reduce_scatter, place_reduce_waits, annotate_collective_costs.
+/// Its input rules are what the
+/// bridge's graphs satisfy (structural only); its final rules are a
+/// complete schedule's, within the memory budget when one is set.
 /// Throws sharc::Error, listing the pass names, if a disabled pass is unknown.
 PassManager make_pipeline(const PipelineOptions& options);
 

@@ -2,6 +2,7 @@
 #include <set>
 #include <string>
 
+#include "sharc/compiler/memory.h"
 #include "sharc/compiler/passes.h"
 
 namespace sharc::ir {
@@ -19,7 +20,8 @@ bool is_gather_pair(const Graph& graph, size_t i) {
 
 class BucketAllGathers : public Pass {
  public:
-  explicit BucketAllGathers(int64_t bucket_bytes) : bucket_bytes_(bucket_bytes) {}
+  BucketAllGathers(int64_t bucket_bytes, std::optional<int64_t> budget)
+      : bucket_bytes_(bucket_bytes), budget_(budget) {}
 
   std::string name() const override { return "bucket_allgathers"; }
 
@@ -31,7 +33,21 @@ class BucketAllGathers : public Pass {
   // fits and has the bucket's dtype (moving it up to the bucket's position: a
   // gather reads nothing but its shards, so it may run earlier, at the cost
   // of its bytes living longer), otherwise it opens the next bucket.
+  // Under a memory budget, the cap halves until the bucketed schedule fits
+  // (a bucket keeps its later members, and a staging buffer, alive early).
   int64_t run(Graph& graph) override {
+    for (int64_t cap = bucket_bytes_;; cap /= 2) {
+      Graph bucketed = graph;
+      const int64_t rewrites = bucket(bucketed, cap);
+      if (!budget_ || rewrites == 0 || peak_gathered(bucketed).bytes <= *budget_) {
+        graph = std::move(bucketed);
+        return rewrites;
+      }
+    }
+  }
+
+ private:
+  int64_t bucket(Graph& graph, int64_t cap) const {
     int64_t rewrites = 0;
     std::vector<Node> out;
     Bucket open;
@@ -46,7 +62,7 @@ class BucketAllGathers : public Pass {
       Node& wait = graph.nodes[++i];
       const int64_t bytes = bytes_of(graph, gather);
       const std::optional<std::string> dtype = dtype_of(graph, gather);
-      if (open.fits(gather, bytes, dtype, bucket_bytes_)) {
+      if (open.fits(gather, bytes, dtype, cap)) {
         open.join(out, gather, wait, bytes);
         ++rewrites;
         continue;
@@ -59,7 +75,6 @@ class BucketAllGathers : public Pass {
     return rewrites;
   }
 
- private:
   struct Bucket {
     size_t gather_at = 0;  ///< index in the output; its wait follows
     int64_t bytes = 0;
@@ -103,12 +118,14 @@ class BucketAllGathers : public Pass {
   }
 
   int64_t bucket_bytes_;
+  std::optional<int64_t> budget_;
 };
 
 }  // namespace
 
-std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes) {
-  return std::make_unique<BucketAllGathers>(bucket_bytes);
+std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes,
+                                             std::optional<int64_t> budget_bytes) {
+  return std::make_unique<BucketAllGathers>(bucket_bytes, budget_bytes);
 }
 
 }  // namespace sharc::ir
