@@ -89,9 +89,28 @@ class CompileConfig:
     """Compile the scheduled graphs with Inductor; False runs them as plain
     FX graphs, for debugging a schedule (env SHARC_COMPILE_INDUCTOR=0)."""
 
-    gather_bucket_bytes: int = 64 << 10
+    gather_bucket_bytes: int | None = None
     """Consecutive gathers are fused into one all-gather (the later ones
-    prefetched) up to this many bytes."""
+    prefetched) up to this many bytes. None: chosen by the scheduler from
+    the measured all-gather cost (the size at which its latency is a tenth
+    of its transfer time, between 64 KiB and 64 MiB; 64 KiB unmeasured),
+    halved until the schedule fits the memory budget."""
+
+    memory_budget_bytes: int | None = None
+    """The most parameter bytes a compiled schedule may hold gathered at
+    once (kept parameters, buffers in use, prefetched buckets and their
+    staging), checked by the scheduler's verifier; a budget below what a
+    graph needs at least is an error naming that smallest budget. None: the
+    default rule, on a CUDA device an eighth of the device memory free at
+    compile time, elsewhere four times the largest parameter the graph
+    reads, never below what the graph needs."""
+
+    profile: bool = True
+    """Measure, in the first compile, each compute node's time (on stand-in
+    inputs, results untouched) and the process group's collective costs
+    (once per group), and schedule from them: selective unsharding
+    (parameters kept gathered from forward to backward) and the gather
+    bucket size. False: no measurement, nothing kept, 64 KiB buckets."""
 
     reduce_bucket_bytes: int = 4 << 20
     """Gradients are reduce-scattered together up to this many bytes."""
@@ -110,8 +129,12 @@ class CompileConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inductor, bool):
             raise TypeError(f"CompileConfig.inductor must be a bool, got {self.inductor!r}")
-        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
+        if not isinstance(self.profile, bool):
+            raise TypeError(f"CompileConfig.profile must be a bool, got {self.profile!r}")
+        for name in ("gather_bucket_bytes", "reduce_bucket_bytes", "memory_budget_bytes"):
             value = getattr(self, name)
+            if value is None and name != "reduce_bucket_bytes":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CompileConfig.{name} must be an int >= 0, got {value!r}")
         self.disable_passes = _names("CompileConfig.disable_passes", self.disable_passes,

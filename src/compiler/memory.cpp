@@ -10,7 +10,9 @@ namespace {
 
 // Bytes the runtime allocates for one gather node: its parameters' buffers
 // (kept ones excepted: they are resident already) and, for a bucket, the
-// staging buffer until the wait.
+// staging buffer until the wait. A kept parameter is gathered again once a
+// step (its shard changed), through the bucket's staging like the others,
+// so the staging counts every member.
 struct GatherBytes {
   int64_t buffers = 0;
   int64_t staging = 0;
@@ -18,14 +20,13 @@ struct GatherBytes {
 
 GatherBytes gather_bytes(const Graph& graph, const Node& gather) {
   GatherBytes out;
-  int64_t collected = 0;
+  int64_t members = 0;
   for (int64_t p : gather.params) {
     const Param& param = graph.params.at(p);
-    if (param.kept) continue;
-    out.buffers += param.bytes;
-    ++collected;
+    members += param.bytes;
+    if (!param.kept) out.buffers += param.bytes;
   }
-  if (collected > 1) out.staging = out.buffers;
+  if (gather.params.size() > 1) out.staging = members;
   return out;
 }
 

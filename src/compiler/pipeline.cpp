@@ -45,6 +45,13 @@ PassManager make_pipeline(const PipelineOptions& options) {
   return manager;
 }
 
+int64_t smallest_feasible_budget(const Graph& graph) {
+  Graph read = graph;
+  make_regather_in_backward()->run(read);
+  make_cast_before_gather()->run(read);
+  return plain_schedule_peak(read).bytes;
+}
+
 std::vector<std::string> pipeline_pass_names() { return make_pipeline({}).pass_names(); }
 
 }  // namespace sharc::ir

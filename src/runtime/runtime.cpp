@@ -557,6 +557,23 @@ void Runtime::set_persistent(int64_t id, bool persistent) {
   param(id).state.set_persistent(persistent);
 }
 
+bool Runtime::is_persistent(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).state.persistent();
+}
+
+std::vector<std::tuple<int64_t, int64_t>> Runtime::persistent_params() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::tuple<int64_t, int64_t>> out;
+  for (size_t id = 0; id < params_.size(); ++id) {
+    const ShardedParam& p = *params_[id];
+    if (!p.state.persistent()) continue;
+    out.emplace_back(static_cast<int64_t>(id),
+                     p.layout.padded_numel() * c10::elementSize(p.spec.gather_dtype));
+  }
+  return out;
+}
+
 at::Tensor Runtime::padded_base(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return param(id).base;

@@ -31,6 +31,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("release_or_hand_over", &sharc::Runtime::release_or_hand_over)
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
+      .def("is_persistent", &sharc::Runtime::is_persistent)
+      .def("persistent_params", &sharc::Runtime::persistent_params)
       .def("drop_unheld", &sharc::Runtime::drop_unheld)
       .def("set_spec", &sharc::Runtime::set_spec)
       .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)

@@ -2,14 +2,26 @@
 // over the IR text the Python FX bridge produces, and returns the schedule.
 //
 //   schedule_nodes(ir_text, gather_bucket_bytes=, reduce_bucket_bytes=,
-//                  disabled_passes=, trace=)
+//                  disabled_passes=, trace=, memory_budget_bytes=,
+//                  collective_costs=, keep_for_backward=, raise_budget_to_feasible=)
 //     -> (scheduled IR text,
 //         nodes: [(kind, outputs, operands, params)],
 //         passes: [(pass, rewrites, skipped)],
 //         trace: [(pass, "before" | "after", IR text)],
-//         params: [(id, dtype it is gathered in, "" if unknown)])
+//         params: [(id, dtype it is gathered in ("" if unknown), kept)])
 //   with every list a list (value names without '%', parameter ids as ints).
+//   gather_bucket_bytes and memory_budget_bytes take -1 for "unset" (chosen
+//   by the scheduler; no cap); collective_costs is [] (not measured) or the
+//   runtime's four numbers (Runtime::collective_costs). With
+//   raise_budget_to_feasible (a default budget, not the user's), a budget
+//   below the graph's smallest feasible one is raised to it instead of
+//   refused.
+//
+//   peak_gathered_bytes(ir_text) -> the most parameter bytes the schedule
+//   holds gathered at once (sharc/compiler/memory.h).
 
+#include <algorithm>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -19,6 +31,7 @@
 
 #include "sharc/core/error.h"
 #include "sharc/compiler/ir.h"
+#include "sharc/compiler/memory.h"
 #include "sharc/compiler/pipeline.h"
 
 namespace sharc {
@@ -52,7 +65,7 @@ Run run_pipeline(const std::string& ir_text, const ir::PipelineOptions& options,
 using NodeTuple = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
                              std::vector<int64_t>>;
 using PassTuple = std::tuple<std::string, int64_t, bool>;
-using ParamTuple = std::tuple<int64_t, std::string>;
+using ParamTuple = std::tuple<int64_t, std::string, bool>;
 using Scheduled = std::tuple<std::string, std::vector<NodeTuple>, std::vector<PassTuple>,
                              std::vector<Step>, std::vector<ParamTuple>>;
 
@@ -68,20 +81,61 @@ NodeTuple to_tuple(const ir::Node& n) {
   return {ir::to_string(n.kind), n.outputs, operands, n.params};
 }
 
+std::optional<int64_t> unless_negative(int64_t value) {
+  return value < 0 ? std::nullopt : std::optional<int64_t>(value);
+}
+
+ir::PipelineOptions pipeline_options(int64_t gather_bucket_bytes, int64_t reduce_bucket_bytes,
+                                     std::vector<std::string> disabled_passes,
+                                     int64_t memory_budget_bytes,
+                                     const std::vector<double>& collective_costs,
+                                     bool keep_for_backward) {
+  SHARC_CHECK(collective_costs.empty() || collective_costs.size() == 4,
+              "sharc: collective_costs takes 4 numbers (all-gather latency, all-gather time "
+              "per byte, reduce-scatter latency, reduce-scatter time per byte), got ",
+              collective_costs.size());
+  ir::PipelineOptions options;
+  options.gather_bucket_bytes = unless_negative(gather_bucket_bytes);
+  options.reduce_bucket_bytes = reduce_bucket_bytes;
+  options.disabled_passes = std::move(disabled_passes);
+  options.memory_budget_bytes = unless_negative(memory_budget_bytes);
+  if (!collective_costs.empty()) {
+    options.gather_cost = CollectiveCost{collective_costs[0], collective_costs[1]};
+    options.reduce_cost = CollectiveCost{collective_costs[2], collective_costs[3]};
+  }
+  options.keep_for_backward = keep_for_backward;
+  return options;
+}
+
 // Throws sharc::Error on bad IR, an unknown pass name or a violated rule.
 Scheduled schedule_nodes(std::string ir_text, int64_t gather_bucket_bytes,
                          int64_t reduce_bucket_bytes, std::vector<std::string> disabled_passes,
-                         bool trace) {
-  const Run run = run_pipeline(
-      ir_text, {gather_bucket_bytes, reduce_bucket_bytes, std::move(disabled_passes)}, trace);
+                         bool trace, int64_t memory_budget_bytes,
+                         std::vector<double> collective_costs, bool keep_for_backward,
+                         bool raise_budget_to_feasible) {
+  ir::PipelineOptions options =
+      pipeline_options(gather_bucket_bytes, reduce_bucket_bytes, std::move(disabled_passes),
+                       memory_budget_bytes, collective_costs, keep_for_backward);
+  if (raise_budget_to_feasible && options.memory_budget_bytes) {
+    // A default budget (not the user's) never makes a graph uncompilable.
+    options.memory_budget_bytes = std::max(
+        *options.memory_budget_bytes, ir::smallest_feasible_budget(ir::parse(ir_text)));
+  }
+  const Run run = run_pipeline(ir_text, options, trace);
   std::vector<NodeTuple> nodes;
   for (const ir::Node& n : run.graph.nodes) nodes.push_back(to_tuple(n));
   std::vector<PassTuple> passes;
   for (const ir::PassRecord& r : run.passes) passes.emplace_back(r.name, r.rewrites, r.skipped);
   // The dtype each parameter is gathered in (cast_before_gather may narrow it).
   std::vector<ParamTuple> params;
-  for (const auto& [id, p] : run.graph.params) params.emplace_back(id, p.dtype.value_or(""));
+  for (const auto& [id, p] : run.graph.params) {
+    params.emplace_back(id, p.dtype.value_or(""), p.kept);
+  }
   return {ir::print(run.graph), nodes, passes, run.steps, params};
+}
+
+int64_t peak_gathered_bytes(std::string ir_text) {
+  return ir::peak_gathered(ir::parse(ir_text)).bytes;
 }
 
 class Scheduler : public torch::CustomClassHolder {};
@@ -95,9 +149,16 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_static("schedule_nodes", &sharc::schedule_nodes,
                   "Runs the pass pipeline; returns (IR text, nodes, passes, trace, params)",
                   {torch::arg("ir_text"),
-                   torch::arg("gather_bucket_bytes") = defaults.gather_bucket_bytes,
+                   torch::arg("gather_bucket_bytes") = -1,
                    torch::arg("reduce_bucket_bytes") = defaults.reduce_bucket_bytes,
                    torch::arg("disabled_passes") = c10::List<std::string>(),
-                   torch::arg("trace") = false})
-      .def_static("pass_names", &sharc::ir::pipeline_pass_names);
+                   torch::arg("trace") = false,
+                   torch::arg("memory_budget_bytes") = -1,
+                   torch::arg("collective_costs") = c10::List<double>(),
+                   torch::arg("keep_for_backward") = false,
+                   torch::arg("raise_budget_to_feasible") = false})
+      .def_static("pass_names", &sharc::ir::pipeline_pass_names)
+      .def_static("peak_gathered_bytes", &sharc::peak_gathered_bytes,
+                  "The most parameter bytes an IR schedule holds gathered at once",
+                  {torch::arg("ir_text")});
 }

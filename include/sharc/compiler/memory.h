@@ -4,9 +4,10 @@
 // The model, as the runtime allocates: a `kept` parameter's bytes are
 // resident for the whole graph (it stays gathered across graphs); any other
 // parameter counts its bytes from the gather that serves it to its release;
-// a gather serving two or more of them (a bucket) also holds a staging
-// buffer of their total bytes from the gather until its wait, where the
-// runtime copies the bucket out into each parameter's buffer. Direct
+// a gather serving two or more parameters (a bucket) also holds a staging
+// buffer of their total bytes, kept ones included (they are gathered again
+// once a step), from the gather until its wait, where the runtime copies
+// the bucket out into each parameter's buffer. Direct
 // parameter reads (`@k` operands, before insert_gather_release) count
 // nothing: only gathers allocate.
 

@@ -50,6 +50,12 @@ int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cos
 /// Throws sharc::Error, listing the pass names, if a disabled pass is unknown.
 PassManager make_pipeline(const PipelineOptions& options);
 
+/// The smallest memory budget `graph` (as the bridge lowers it) can be
+/// scheduled in: its plain schedule's peak, after the passes that fix which
+/// parameters are read and in which dtype (regather_in_backward,
+/// cast_before_gather).
+int64_t smallest_feasible_budget(const Graph& graph);
+
 /// The pipeline's pass names, in the order they run.
 std::vector<std::string> pipeline_pass_names();
 

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -197,6 +198,11 @@ class Runtime : public torch::CustomClassHolder {
 
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
+  bool is_persistent(int64_t id);
+  /// Every persistent parameter's id and full bytes in its gather dtype:
+  /// what stays gathered whichever graph runs (the scheduler's budget
+  /// counts them in every graph).
+  std::vector<std::tuple<int64_t, int64_t>> persistent_params();
 
   /// The padded flat buffer (its storage holds 0 bytes while not gathered).
   at::Tensor padded_base(int64_t id);

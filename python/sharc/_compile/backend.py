@@ -36,7 +36,8 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
     lowerings.register()
 
     def inner(graph_module, inputs, **kwargs):
-        kind = "backward" if kwargs.get("is_backward") else "forward"
+        kind = ("backward" if kwargs.get("is_backward") else
+                "inference" if kwargs.get("is_inference") else "forward")
         return compile_fx_inner(schedule_graph(graph_module, config, kind), inputs, **kwargs)
 
     # Caches are keyed by graphs before sharc rewrites them, and what sharc

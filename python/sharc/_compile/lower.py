@@ -48,8 +48,10 @@ class LoweredGraph:
 
 
 class _Lowering:
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, costs: dict[fx.Node, float], kept: dict[int, int]):
         self.graph = graph
+        self.costs = costs  # measured microseconds per node (profile.py)
+        self.kept = kept  # runtime id -> bytes, of parameters that stay gathered
         self.slots: dict[tuple[str, int], ParamSlot] = {}
         self.aliases: dict[fx.Node, int] = {}  # views of gathered parameters
         self.cast_views: dict[fx.Node, fx.Node] = {}  # views of a gathered param's cast -> it
@@ -62,8 +64,15 @@ class _Lowering:
         self._collect_params()
         body = [line for node in self.graph.nodes for line in self._lower(node)]
         header = [f'param @{s.ir_id} "{s.group}/{s.pid}" bytes={s.bytes}' +
-                  (f" dtype={dtype_name(s.dtype)}" if s.dtype is not None else "")
+                  (f" dtype={dtype_name(s.dtype)}" if s.dtype is not None else "") +
+                  (" kept" if s.pid in self.kept else "")
                   for s in self.slots.values()]
+        # Kept parameters this graph does not read still hold their bytes.
+        read = {s.pid for s in self.slots.values()}
+        group = next(iter(self.slots.values())).group if self.slots else ""
+        header += [f'param @{len(self.slots) + i} "{group}/{pid}" bytes={nbytes} kept'
+                   for i, (pid, nbytes) in enumerate(sorted(
+                       (p, b) for p, b in self.kept.items() if p not in read))]
         slots = {s.ir_id: s for s in self.slots.values()}
         return LoweredGraph("\n".join(header + body) + "\n", slots, self.values,
                             self.grad_markers, self.folded)
@@ -161,7 +170,8 @@ class _Lowering:
         args = " ".join(self._operands(node))
         dtype = cast_dtype(node)
         cast = f" cast={dtype_name(dtype)}" if dtype is not None else ""
-        return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}{cast}'.replace(
+        cost = f" cost={self.costs[node]:.3g}" if node in self.costs else ""
+        return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}{cast}{cost}'.replace(
             "  ", " ")
 
     def _is_exit_cast(self, node: fx.Node) -> bool:
@@ -183,5 +193,10 @@ class _Lowering:
         return " ".join(["output", *operands])
 
 
-def lower(graph: fx.Graph) -> LoweredGraph:
-    return _Lowering(graph).run()
+def lower(graph: fx.Graph, costs: dict[fx.Node, float] | None = None,
+          kept: dict[int, int] | None = None) -> LoweredGraph:
+    """The IR of `graph`; compute nodes carry `cost=` (µs) where `costs` has
+    one; `kept` (runtime id -> full bytes) are the parameters that stay
+    gathered: those the graph reads are marked `kept`, the others declared
+    `kept` too (unread), so that the budget counts their bytes."""
+    return _Lowering(graph, costs or {}, dict(kept or {})).run()

@@ -8,9 +8,12 @@ import os
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from sharc._compile.apply import rebuild
 from sharc._compile.lower import lower
+from sharc._compile.profile import profile_compute
+from sharc._library import Runtime
 from sharc._compile.merge_gradients import merge_gradient_reductions
 from sharc.config import CompileConfig
 
@@ -18,25 +21,64 @@ _graph_ids = itertools.count()
 
 
 def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.GraphModule:
-    """Rewrites `gm` (a forward or backward graph from AOTAutograd) in place so
-    that gathers, waits, releases and reductions are explicit sharc ops."""
+    """Rewrites `gm` (a "forward", "backward" or "inference" graph from
+    AOTAutograd) in place so that gathers, waits, releases and reductions
+    are explicit sharc ops."""
     if kind == "backward":
         merge_gradient_reductions(gm.graph)
     lowered = lower(gm.graph)
     if not lowered.slots:
         return gm  # nothing sharded is read here
+    group_name = next(iter(lowered.slots.values())).group
+    runtime = Runtime.for_group(group_name)
+    compute, collective = {}, []
+    if config.profile:
+        # Real tensors and real collectives: the compiler's fake mode is off.
+        with unset_fake_temporarily():
+            compute = profile_compute(gm.graph, group_name)
+            collective = list(runtime.collective_costs())
+    lowered = lower(gm.graph, compute, dict(runtime.persistent_params()))
+    budget = config.memory_budget_bytes
     text, nodes, passes, trace, params = torch.classes.sharc.Scheduler.schedule_nodes(
         lowered.text,
-        gather_bucket_bytes=config.gather_bucket_bytes,
+        gather_bucket_bytes=-1 if config.gather_bucket_bytes is None else
+        config.gather_bucket_bytes,
         reduce_bucket_bytes=config.reduce_bucket_bytes,
         disabled_passes=list(config.disable_passes),
-        trace=config.dump_ir is not None)
+        trace=config.dump_ir is not None,
+        memory_budget_bytes=default_budget(lowered) if budget is None else budget,
+        collective_costs=collective,
+        keep_for_backward=kind == "forward",
+        raise_budget_to_feasible=budget is None)
     if config.dump_ir is not None:
         _dump(config.dump_ir, kind, lowered.text, passes, trace, text)
-    gm.graph = rebuild(gm.graph, lowered, nodes, dict(params))
+    _keep(runtime, lowered, params)
+    gm.graph = rebuild(gm.graph, lowered, nodes, {p: dtype for p, dtype, _ in params})
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def default_budget(lowered) -> int:
+    """CompileConfig.memory_budget_bytes' default rule: on a CUDA device an
+    eighth of the memory free now, elsewhere four times the largest
+    parameter the graph reads (the scheduler raises either to what the
+    graph needs at least)."""
+    slot = next(iter(lowered.slots.values()))
+    device = slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 8
+    return 4 * max(s.bytes for s in lowered.slots.values())
+
+
+def _keep(runtime, lowered, params) -> None:
+    """Parameters the schedule keeps gathered become persistent in the
+    runtime: gathered once per step, released never, so the backward and
+    the next graphs find them gathered (and lower them as kept)."""
+    for ir_id, _, kept in params:
+        slot = lowered.slots.get(ir_id)  # None: kept elsewhere, not read here
+        if kept and slot is not None and not runtime.is_persistent(slot.pid):
+            runtime.set_persistent(slot.pid, True)
 
 
 def _dump(directory: str, kind: str, before: str, passes: list[tuple[str, int, bool]],

@@ -1,0 +1,132 @@
+"""Measures what each compute node of a graph costs, for the scheduler.
+
+In the first compile, each call_function node of an AOTAutograd graph runs
+alone on stand-in inputs built from its inputs' recorded values (shape,
+stride, dtype, device): floats random from a generator of its own, integers
+and bools zero (so index ops stay in range). One warm-up run, then the
+median of a few, synchronized on a device. Nothing real is touched: the
+stand-ins are fresh tensors and the global RNG state is restored after, so
+the step computes what it would have without profiling. The ranks then
+average their costs with one all-reduce, so that every rank schedules from
+the same numbers (and issues the same collectives); a node whose cost some
+rank could not measure stays unmeasured everywhere.
+
+Not measured (no cost): sharc's own ops and collectives (their costs come
+from the group's measured collective costs), nodes with symbolic shapes,
+nodes that fail on stand-ins. The sum of separately run nodes is an upper
+bound on what a compiler's fused kernels take; the scheduler compares it
+with collective times, where the order of magnitude is what counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+_REPEATS = 3
+_SKIPPED_NAMESPACES = ("sharc", "_c10d_functional", "c10d", "c10d_functional")
+_BUDGET_S = 10.0  # the most a graph's profiling may take; the rest stays unmeasured
+
+
+def profile_compute(graph: fx.Graph, group_name: str) -> dict[fx.Node, float]:
+    """Microseconds per call_function node of `graph`, the same on every rank
+    of the group (collective: every rank must call it for the same graph)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and _measurable(n)]
+    devices = _devices(nodes)
+    with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
+        generator = torch.Generator().manual_seed(0)
+        deadline = time.monotonic() + _BUDGET_S
+        mine = [_time_node(n, generator, devices) if time.monotonic() < deadline else -1.0
+                for n in nodes]
+    agreed = _agree(mine, group_name, devices)
+    return {n: us for n, us in zip(nodes, agreed) if us >= 0}
+
+
+def _measurable(node: fx.Node) -> bool:
+    """Operators only (a getitem or a Python function is bookkeeping), not
+    sharc's nor a collective."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.namespace not in _SKIPPED_NAMESPACES
+
+
+def _devices(nodes: list[fx.Node]) -> set[torch.device]:
+    devices = set()
+    for n in nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            devices.add(val.device)
+    return devices or {torch.device("cpu")}
+
+
+def _stand_in(value, generator: torch.Generator):
+    """A real tensor like the recorded `value` (a fake tensor), or the value."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+            raise _Symbolic()
+        return value
+    if any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+        raise _Symbolic()
+    out = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                              device=value.device)
+    if out.is_floating_point() or out.is_complex():
+        filled = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+        out.copy_(filled)
+    else:
+        out.zero_()
+    return out
+
+
+class _Symbolic(Exception):
+    """A shape only known at run time: the node is not measured."""
+
+
+def _inputs(node: fx.Node, generator: torch.Generator):
+    def real(arg):
+        if not isinstance(arg, fx.Node):
+            return arg
+        return tree_map(lambda v: _stand_in(v, generator), arg.meta.get("val"))
+    return tree_map(real, node.args), tree_map(real, node.kwargs)
+
+
+def _time_node(node: fx.Node, generator: torch.Generator, devices) -> float:
+    try:
+        args, kwargs = _inputs(node, generator)
+        times = []
+        for i in range(_REPEATS + 1):
+            _sync(devices)
+            start = time.perf_counter()
+            node.target(*args, **kwargs)
+            _sync(devices)
+            if i > 0:  # the first run is a warm-up
+                times.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(times)
+    except Exception:  # noqa: BLE001  (a node that cannot run on stand-ins stays unmeasured)
+        return -1.0
+
+
+def _sync(devices) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def _agree(mine: list[float], group_name: str, devices) -> list[float]:
+    """The ranks' mean cost per node; unmeasured (-1) where any rank did not
+    measure it."""
+    if not mine or not dist.is_initialized():
+        return mine
+    group = torch._C._distributed_c10d._resolve_process_group(group_name)
+    device = next(iter(devices)) if group.size() > 1 else torch.device("cpu")
+    costs = torch.tensor(mine, dtype=torch.float64, device=device)
+    missing = (costs < 0).to(torch.float64)
+    both = torch.stack([costs.clamp(min=0), missing])
+    dist.all_reduce(both, group=group)
+    mean = both[0] / group.size()
+    return [-1.0 if m > 0 else float(c) for c, m in zip(mean.tolist(), both[1].tolist())]
