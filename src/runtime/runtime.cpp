@@ -613,10 +613,15 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
 }
 
 std::vector<double> Runtime::collective_costs() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  // Not under mutex_: the collectives may pass through Python dispatch
+  // modes that call back into this runtime.
+  std::lock_guard<std::mutex> measuring(costs_mutex_);
   if (!costs_) {
-    const c10::Device device = params_.empty() ? c10::Device(c10::kCPU)
-                                               : params_.front()->shard.device();
+    c10::Device device(c10::kCPU);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!params_.empty()) device = params_.front()->shard.device();
+    }
     costs_ = measure_collective_costs(comm_, device);
   }
   return {costs_->all_gather.latency_us, costs_->all_gather.us_per_byte,

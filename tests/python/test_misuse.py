@@ -129,6 +129,9 @@ COMPILE_CONFIG_CASES = [
     (dict(disable_passes=(None,)), TypeError, "got None in it"),
     (dict(disable_passes=("nope",)), ValueError, "unknown pass 'nope'; the passes are "),
     (dict(dump_ir=5), TypeError, "CompileConfig.dump_ir must be a directory path"),
+    (dict(memory_budget_bytes=-5), ValueError, "memory_budget_bytes must be an int >= 0"),
+    (dict(memory_budget_bytes="1GB"), ValueError, "memory_budget_bytes must be an int >= 0"),
+    (dict(profile="yes"), TypeError, "CompileConfig.profile must be a bool"),
 ]
 
 

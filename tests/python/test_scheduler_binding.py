@@ -35,10 +35,13 @@ def test_structured_nodes_and_pass_records():
     assert [p[0] for p in passes] == list(Scheduler.pass_names())
     assert passes[0] == ("regather_in_backward", 0, False)  # the bridge never saves params
     assert passes[1] == ("cast_before_gather", 0, False)  # no dtypes, no casts
-    assert passes[2] == ("insert_gather_release", 2, False)
-    assert passes[-2:] == [("insert_reduce_scatter", 1, False), ("place_reduce_waits", 1, False)]
+    by_name = {name: (rewrites, skipped) for name, rewrites, skipped in passes}
+    assert by_name["insert_gather_release"] == (2, False)
+    assert by_name["insert_reduce_scatter"] == (1, False)
+    assert by_name["place_reduce_waits"] == (1, False)
+    assert by_name["keep_gathered_params"] == (0, False)  # no budget, no measured cost
     assert trace == []
-    assert params == [(0, ""), (1, "")]
+    assert params == [(0, "", False), (1, "", False)]
 
 
 def test_named_options_and_trace():
@@ -54,10 +57,28 @@ def test_named_options_and_trace():
 
 def test_defaults_are_compile_configs():
     config = CompileConfig()
+    assert config.gather_bucket_bytes is None and config.memory_budget_bytes is None
     defaults = Scheduler.schedule_nodes(IR)
-    explicit = Scheduler.schedule_nodes(IR, gather_bucket_bytes=config.gather_bucket_bytes,
-                                        reduce_bucket_bytes=config.reduce_bucket_bytes)
+    explicit = Scheduler.schedule_nodes(IR, gather_bucket_bytes=-1,
+                                        reduce_bucket_bytes=config.reduce_bucket_bytes,
+                                        memory_budget_bytes=-1)
     assert defaults == explicit
+
+
+def test_budget_costs_and_keeping_through_the_binding():
+    costs = [100.0, 0.01, 200.0, 0.01]
+    text, _, passes, _, params = Scheduler.schedule_nodes(
+        IR, memory_budget_bytes=10**6, collective_costs=costs, keep_for_backward=True)
+    assert any(kept for _, _, kept in params)
+    assert Scheduler.peak_gathered_bytes(text) <= 10**6
+    assert " cost=" in text
+    with pytest.raises(RuntimeError, match="is below the smallest budget"):
+        Scheduler.schedule_nodes(IR, memory_budget_bytes=1)
+    raised, *_ = Scheduler.schedule_nodes(IR, memory_budget_bytes=1,
+                                          raise_budget_to_feasible=True)
+    assert Scheduler.peak_gathered_bytes(raised) > 1
+    with pytest.raises(RuntimeError, match="collective_costs takes 4 numbers"):
+        Scheduler.schedule_nodes(IR, collective_costs=[1.0])
 
 
 def test_a_missing_rule_names_the_pass_to_enable():

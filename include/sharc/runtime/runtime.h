@@ -275,6 +275,7 @@ class Runtime : public torch::CustomClassHolder {
   bool gradient_sync_ = true;
   bool verify_schedule_ = false;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
+  std::mutex costs_mutex_;  ///< guards costs_ (mutex_ is not held while measuring)
   std::mutex mutex_;  // autograd may run backward on a worker thread
 };
 

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from sharc._compile.apply import rebuild
@@ -33,8 +34,10 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.G
     runtime = Runtime.for_group(group_name)
     compute, collective = {}, []
     if config.profile:
-        # Real tensors and real collectives: the compiler's fake mode is off.
-        with unset_fake_temporarily():
+        # Real tensors and real collectives: the compiler's fake mode and
+        # Python dispatcher are off (a communication thread must never need
+        # the interpreter this thread holds while it waits).
+        with unset_fake_temporarily(), no_python_dispatcher():
             compute = profile_compute(gm.graph, group_name)
             collective = list(runtime.collective_costs())
     lowered = lower(gm.graph, compute, dict(runtime.persistent_params()))

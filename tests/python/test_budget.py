@@ -1,0 +1,171 @@
+"""Profile-guided scheduling under a memory budget (CompileConfig): the
+runtime's peak of gathered bytes never exceeds the budget the schedule was
+built for; a budget no schedule fits is refused naming the smallest one;
+selective unsharding saves exactly the kept parameters' backward
+all-gathers; profiling changes no result; and training matches with every
+choice the scheduler makes."""
+
+import pytest
+import torch
+
+from dist_harness import RankFailure, run_ranks
+from models import global_batch, make_optimizer, make_parity_model, rank_slice
+
+# The 8-block transformer of test_memory.py: its largest parameter (an MLP
+# weight, 64 x 256 floats) is 65,536 bytes; with its bias 66,560 must be
+# gathered at once.
+SMALLEST = 66_560
+
+
+def _eight_blocks():
+    from sharc.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=8, n_head=4, n_embd=64))
+
+
+def _peaks(rank, world, options):
+    import sharc
+
+    model = _eight_blocks()
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc", options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(65, (2, 32), generator=torch.Generator().manual_seed(rank))
+    peaks, losses = [], []
+    for _ in range(3):
+        sharc.reset_memory_stats()
+        loss = step(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        peaks.append(sharc.memory_stats()["peak_gathered_bytes"])
+        losses.append(loss.item())
+    return peaks, losses
+
+
+@pytest.mark.parametrize("budget", [SMALLEST, 3 * SMALLEST, 10 * SMALLEST])
+def test_the_budget_is_never_exceeded(budget):
+    for peaks, losses in run_ranks(_peaks, 2, {"memory_budget_bytes": budget}, timeout=420):
+        assert max(peaks) <= budget, peaks
+        assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_budget_below_the_smallest_feasible_one_names_it():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_peaks, 2, {"memory_budget_bytes": SMALLEST - 1}, timeout=420)
+    message = str(failure.value)
+    assert f"memory_budget_bytes={SMALLEST - 1} is below the smallest budget" in message
+    assert f"raise memory_budget_bytes to at least {SMALLEST}" in message
+
+
+def _backward_gathers(rank, world, profile):
+    """All-gather bytes sent during backward, per step, and the kept bytes."""
+    import sharc
+    from sharc.api import sharded_root
+
+    model = _eight_blocks()
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc", options={"profile": profile,
+                                                         "memory_budget_bytes": 400_000})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(65, (2, 32), generator=torch.Generator().manual_seed(rank))
+    sent = []
+    for _ in range(2):
+        loss = step(x, x)
+        sharc.reset_memory_stats()
+        loss.backward()
+        sent.append(sharc.memory_stats()["allgather_bytes"])
+        opt.step()
+        opt.zero_grad()
+    kept = dict(sharded_root(model).runtime.persistent_params())
+    return sent, kept
+
+
+def test_selective_unsharding_saves_exactly_the_kept_parameters_backward_gathers():
+    kept_runs = run_ranks(_backward_gathers, 2, True, timeout=420)
+    plain_runs = run_ranks(_backward_gathers, 2, False, timeout=420)
+    for (sent_kept, kept), (sent_plain, none_kept) in zip(kept_runs, plain_runs):
+        assert kept and not none_kept
+        # Each rank sends its shard, half the padded full bytes, per gather.
+        saved = sum(full // 2 for full in kept.values())
+        for with_keep, without in zip(sent_kept, sent_plain):
+            assert without - with_keep == saved
+
+
+def _train(rank, world, options, eight_blocks, steps=5):
+    import sharc
+
+    model = _eight_blocks() if eight_blocks else make_parity_model()
+    sharc.shard(model)
+    step_fn = model if options is None else torch.compile(model, backend="sharc",
+                                                          options=options)
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, 2 * world, seq=16)
+        loss = step_fn(rank_slice(x, rank, world), rank_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("options, eight_blocks", [
+    ({}, False),                                       # measured: kept parameters, auto buckets
+    ({"memory_budget_bytes": 10**9}, False),           # room to keep everything
+    ({"memory_budget_bytes": SMALLEST}, True),         # the tightest: nothing kept, no bucket
+    ({"profile": False}, False),                       # unmeasured: nothing kept, 64 KiB buckets
+], ids=["default", "keep-all", "tightest", "unprofiled"])
+def test_every_scheduling_choice_trains_like_eager(options, eight_blocks):
+    eager = run_ranks(_train, 2, None, eight_blocks)
+    compiled = run_ranks(_train, 2, options, eight_blocks, timeout=420)
+    for (losses_c, state_c), (losses_e, state_e) in zip(compiled, eager):
+        assert losses_c == pytest.approx(losses_e, rel=1e-5)
+        for name, value in state_e.items():
+            torch.testing.assert_close(state_c[name], value, rtol=1e-4, atol=1e-6)
+
+
+def _profiled_losses(rank, world, profile):
+    import sharc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 1))
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc", options={"profile": profile})
+    torch.manual_seed(1 + rank)  # dropout masks: profiling must not draw from this stream
+    losses = []
+    for i in range(3):
+        loss = step(torch.ones(4, 16) * (i + 1)).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def test_profiling_changes_no_result():
+    profiled = run_ranks(_profiled_losses, 2, True, timeout=420)
+    plain = run_ranks(_profiled_losses, 2, False, timeout=420)
+    assert profiled == plain  # bitwise: the same dropout masks, the same sums
+
+
+def _dumped(rank, world, directory):
+    import sharc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc", options={"dump_ir": directory})
+    step(torch.ones(4, 16)).sum().backward()
+    return sorted(open(f"{directory}/{n}").read() for n in __import__("os").listdir(directory)
+                  if n.startswith(f"rank{rank}_") and n.endswith(".after.ir"))
+
+
+def test_measured_costs_are_in_the_ir_and_the_same_on_every_rank(tmp_path):
+    first, second = run_ranks(_dumped, 2, str(tmp_path))
+    assert first == second  # every rank scheduled from the same numbers
+    forward = next(t for t in first if "reduce_scatter" not in t)
+    assert 'compute "aten.mm.default"' in forward or 'compute "aten.addmm.default"' in forward
+    assert any(" cost=" in line for line in forward.splitlines() if "compute" in line)
+    assert any(" cost=" in line for line in forward.splitlines() if " gather @" in line)
