@@ -34,7 +34,8 @@ PassManager make_pipeline(const PipelineOptions& options) {
       .add(make_check_memory_budget(budget))
       .add(make_keep_gathered_params(budget, options.keep_for_backward
                                                  ? options.gather_cost
-                                                 : std::optional<CollectiveCost>()))
+                                                 : std::optional<CollectiveCost>(),
+                                     options.keep_candidates))
       .add(make_insert_gather_release())
       .add(make_bucket_allgathers(bucket_cap, budget))
       .add(make_prefetch_gathers(budget))

@@ -609,6 +609,15 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("unreduced_grad_bytes", s.unreduced_grad_bytes);
   out.insert("gather_wait_ns", s.gather_wait_ns);
   out.insert("reduce_wait_ns", s.reduce_wait_ns);
+  // What stays gathered between steps by design: persistent parameters.
+  int64_t kept = 0;
+  for (const auto& p : params_) {
+    if (p->state.persistent() && p->state.state() != ParamState::Sharded &&
+        p->state.state() != ParamState::Released) {
+      kept += p->full_bytes();
+    }
+  }
+  out.insert("kept_gathered_bytes", kept);
   return out;
 }
 

@@ -3,7 +3,8 @@
 //
 //   schedule_nodes(ir_text, gather_bucket_bytes=, reduce_bucket_bytes=,
 //                  disabled_passes=, trace=, memory_budget_bytes=,
-//                  collective_costs=, keep_for_backward=, raise_budget_to_feasible=)
+//                  collective_costs=, keep_for_backward=, raise_budget_to_feasible=,
+//                  keep_candidates=)
 //     -> (scheduled IR text,
 //         nodes: [(kind, outputs, operands, params)],
 //         passes: [(pass, rewrites, skipped)],
@@ -15,13 +16,15 @@
 //   runtime's four numbers (Runtime::collective_costs). With
 //   raise_budget_to_feasible (a default budget, not the user's), a budget
 //   below the graph's smallest feasible one is raised to it instead of
-//   refused.
+//   refused. keep_candidates (IR ids; None: all) limits what selective
+//   unsharding may keep to what the backward reads again.
 //
 //   peak_gathered_bytes(ir_text) -> the most parameter bytes the schedule
 //   holds gathered at once (sharc/compiler/memory.h).
 
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -89,7 +92,8 @@ ir::PipelineOptions pipeline_options(int64_t gather_bucket_bytes, int64_t reduce
                                      std::vector<std::string> disabled_passes,
                                      int64_t memory_budget_bytes,
                                      const std::vector<double>& collective_costs,
-                                     bool keep_for_backward) {
+                                     bool keep_for_backward,
+                                     const std::optional<std::vector<int64_t>>& keep_candidates) {
   SHARC_CHECK(collective_costs.empty() || collective_costs.size() == 4,
               "sharc: collective_costs takes 4 numbers (all-gather latency, all-gather time "
               "per byte, reduce-scatter latency, reduce-scatter time per byte), got ",
@@ -104,6 +108,9 @@ ir::PipelineOptions pipeline_options(int64_t gather_bucket_bytes, int64_t reduce
     options.reduce_cost = CollectiveCost{collective_costs[2], collective_costs[3]};
   }
   options.keep_for_backward = keep_for_backward;
+  if (keep_candidates) {
+    options.keep_candidates = std::set<int64_t>(keep_candidates->begin(), keep_candidates->end());
+  }
   return options;
 }
 
@@ -112,10 +119,12 @@ Scheduled schedule_nodes(std::string ir_text, int64_t gather_bucket_bytes,
                          int64_t reduce_bucket_bytes, std::vector<std::string> disabled_passes,
                          bool trace, int64_t memory_budget_bytes,
                          std::vector<double> collective_costs, bool keep_for_backward,
-                         bool raise_budget_to_feasible) {
+                         bool raise_budget_to_feasible,
+                         std::optional<std::vector<int64_t>> keep_candidates) {
   ir::PipelineOptions options =
       pipeline_options(gather_bucket_bytes, reduce_bucket_bytes, std::move(disabled_passes),
-                       memory_budget_bytes, collective_costs, keep_for_backward);
+                       memory_budget_bytes, collective_costs, keep_for_backward,
+                       keep_candidates);
   if (raise_budget_to_feasible && options.memory_budget_bytes) {
     // A default budget (not the user's) never makes a graph uncompilable.
     options.memory_budget_bytes = std::max(
@@ -156,7 +165,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
                    torch::arg("memory_budget_bytes") = -1,
                    torch::arg("collective_costs") = c10::List<double>(),
                    torch::arg("keep_for_backward") = false,
-                   torch::arg("raise_budget_to_feasible") = false})
+                   torch::arg("raise_budget_to_feasible") = false,
+                   torch::arg("keep_candidates") = c10::IValue()})
       .def_static("pass_names", &sharc::ir::pipeline_pass_names)
       .def_static("peak_gathered_bytes", &sharc::peak_gathered_bytes,
                   "The most parameter bytes an IR schedule holds gathered at once",

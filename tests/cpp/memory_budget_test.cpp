@@ -148,6 +148,16 @@ TEST(KeepGatheredParams, KeepsTheMostTimeSavedPerByteWithinHalfTheHeadroom) {
   EXPECT_FALSE(more.params.at(1).kept);
 }
 
+TEST(KeepGatheredParams, OnlyCandidatesTheBackwardReadsAgain) {
+  int64_t kept = 0;
+  // ln.weight (@2) is the best buy, but the backward never reads it.
+  const Graph g = parse(testing::run_pass(
+      *make_keep_gathered_params(4020, kCost, std::set<int64_t>{0, 1}), kThreeLayers, &kept));
+  EXPECT_EQ(kept, 1);
+  EXPECT_TRUE(g.params.at(0).kept);
+  EXPECT_FALSE(g.params.at(2).kept);
+}
+
 TEST(KeepGatheredParams, NothingWithoutACostOrABudget) {
   int64_t kept = -1;
   testing::run_pass(*make_keep_gathered_params(std::nullopt, kCost), kThreeLayers, &kept);

@@ -37,8 +37,10 @@ def _step_peak(rank, world, compiled):
 def test_peak_gathered_bytes_below_three_blocks(compiled):
     for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2, compiled):
         for after_forward, after_step in stats:
-            assert after_forward["gathered_bytes"] == 0
-            assert after_step["gathered_bytes"] == 0
+            # Nothing but what the schedule keeps gathered (small parameters).
+            assert after_forward["gathered_bytes"] == after_forward["kept_gathered_bytes"]
+            assert after_step["gathered_bytes"] == after_step["kept_gathered_bytes"]
+            assert after_step["kept_gathered_bytes"] < block_bytes
             assert 0 < after_step["peak_gathered_bytes"] < 3 * block_bytes
             # Each rank holds about half the model (plus padding).
             assert model_bytes / 2 <= after_step["shard_bytes"] < model_bytes / 2 + 4 * 64

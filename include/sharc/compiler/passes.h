@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 
 #include "sharc/compiler/memory.h"
 #include "sharc/compiler/pass.h"
@@ -55,10 +56,13 @@ GatheredPeak plain_schedule_peak(const Graph& graph);
 /// (gathered once per step, when their shard has changed). Greedy by the
 /// all-gather time saved per byte kept (`gather_cost`), while the kept bytes
 /// fit in half of what `budget_bytes` leaves above the plain schedule's
-/// peak. Without a budget or a cost it keeps nothing. Returns the number kept.
+/// peak. Only `candidates` (IR ids) if given: the parameters the backward
+/// reads again (keeping another saves nothing). Without a budget or a cost
+/// it keeps nothing. Returns the number kept.
 /// Precedes: gathers inserted.
-std::unique_ptr<Pass> make_keep_gathered_params(std::optional<int64_t> budget_bytes,
-                                                std::optional<CollectiveCost> gather_cost);
+std::unique_ptr<Pass> make_keep_gathered_params(
+    std::optional<int64_t> budget_bytes, std::optional<CollectiveCost> gather_cost,
+    std::optional<std::set<int64_t>> candidates = std::nullopt);
 
 /// Every directly read parameter gets `gather` and `wait` right before its
 /// first use and `release` right after its last use (counted over all uses),

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,9 @@ struct PipelineOptions {
   /// Whether selective unsharding may keep parameters gathered: for a
   /// forward graph whose backward will read them again.
   bool keep_for_backward = false;
+  /// The parameters (IR ids) selective unsharding may keep: those the
+  /// backward reads again; unset: every parameter the graph reads.
+  std::optional<std::set<int64_t>> keep_candidates;
 };
 
 /// The gather bucket cap when none is set: with a measured cost, the size at

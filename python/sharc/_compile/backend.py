@@ -14,7 +14,8 @@ import functools
 import torch
 import torch.fx as fx
 
-from sharc._compile.recompute import RecomputeGathers, mark_gathers_for_recompute
+from sharc._compile.recompute import (RecomputeGathers, mark_gathers_for_recompute,
+                                     read_in_backward)
 from sharc._compile.schedule import schedule_graph
 from sharc.config import CompileConfig
 
@@ -35,17 +36,20 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
 
     lowerings.register()
 
+    joint_pass = RecomputeGathers()
+
     def inner(graph_module, inputs, **kwargs):
         kind = ("backward" if kwargs.get("is_backward") else
                 "inference" if kwargs.get("is_inference") else "forward")
-        return compile_fx_inner(schedule_graph(graph_module, config, kind), inputs, **kwargs)
+        scheduled = schedule_graph(graph_module, config, kind, joint_pass.read_in_backward)
+        return compile_fx_inner(scheduled, inputs, **kwargs)
 
     # Caches are keyed by graphs before sharc rewrites them, and what sharc
     # bakes in (group names, parameter ids, buckets) is per process.
     # Inductor's peak-memory reordering cannot see the runtime's gathered
     # buffers: it hoisted every start_gather (inputs: shards only) to the top
     # of a graph, gathering the whole model at once; sharc's passes order them.
-    with inductor_config.patch(joint_custom_post_pass=RecomputeGathers(),
+    with inductor_config.patch(joint_custom_post_pass=joint_pass,
                                reorder_for_peak_memory=False,
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
@@ -56,12 +60,16 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
+    backward_reads: set[tuple[str, int]] = set()
+
     def compiler(kind):
         def compile_graph(graph_module, inputs):
-            return make_boxed_func(schedule_graph(graph_module, config, kind).forward)
+            scheduled = schedule_graph(graph_module, config, kind, backward_reads)
+            return make_boxed_func(scheduled.forward)
         return compile_graph
 
     def partition(joint, joint_inputs, **kwargs):
+        backward_reads.update(read_in_backward(joint.graph))
         mark_gathers_for_recompute(joint.graph)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from sharc._compile.ops import ALL_GATHER, is_call, is_view
+from sharc._compile.ops import ALL_GATHER, is_call, is_view, param_key
 
 _COPIES = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
            torch.ops.aten.clone.default, torch.ops.aten.alias.default}
@@ -40,11 +40,42 @@ def mark_gathers_for_recompute(graph: fx.Graph) -> int:
     return len(gathered)
 
 
+def read_in_backward(graph: fx.Graph) -> set[tuple[str, int]]:
+    """(group, parameter id) of every parameter the backward part of a joint
+    graph reads: a gather (or a view, cast or copy of it) with a user that
+    depends on an incoming gradient (a `tangents` input). Only these are
+    worth keeping gathered from forward to backward."""
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and "tangents" in node.name) or any(
+                a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    read = set()
+    for node in graph.nodes:
+        if not is_call(node, ALL_GATHER):
+            continue
+        derived, frontier = {node}, [node]
+        while frontier:
+            for user in frontier.pop().users:
+                if user in backward:
+                    read.add(param_key(node))
+                elif _derives_value(user) and user not in derived:
+                    derived.add(user)
+                    frontier.append(user)
+    return read
+
+
 class RecomputeGathers(CustomGraphPass):
     """The pass in the form Inductor's `joint_custom_post_pass` hook takes (after Inductor's own joint-graph
-    rewrites, which may replace tagged view nodes, and right before partitioning)."""
+    rewrites, which may replace tagged view nodes, and right before partitioning).
+    It also records which parameters the backward reads (`read_in_backward`),
+    for the forward graph's selective unsharding."""
+
+    def __init__(self) -> None:
+        self.read_in_backward: set[tuple[str, int]] = set()
 
     def __call__(self, graph: fx.Graph) -> None:
+        self.read_in_backward |= read_in_backward(graph)
         mark_gathers_for_recompute(graph)
 
     def uuid(self):

@@ -21,10 +21,12 @@ from sharc.config import CompileConfig
 _graph_ids = itertools.count()
 
 
-def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.GraphModule:
+def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
+                   read_in_backward: set[tuple[str, int]] = frozenset()) -> fx.GraphModule:
     """Rewrites `gm` (a "forward", "backward" or "inference" graph from
     AOTAutograd) in place so that gathers, waits, releases and reductions
-    are explicit sharc ops."""
+    are explicit sharc ops. `read_in_backward`: (group, parameter id) the
+    backward reads, the only ones a forward graph may keep gathered."""
     if kind == "backward":
         merge_gradient_reductions(gm.graph)
     lowered = lower(gm.graph)
@@ -52,6 +54,8 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str) -> fx.G
         memory_budget_bytes=default_budget(lowered) if budget is None else budget,
         collective_costs=collective,
         keep_for_backward=kind == "forward",
+        keep_candidates=[s.ir_id for s in lowered.slots.values()
+                         if (s.group, s.pid) in read_in_backward],
         raise_budget_to_feasible=budget is None)
     if config.dump_ir is not None:
         _dump(config.dump_ir, kind, lowered.text, passes, trace, text)

@@ -18,8 +18,9 @@ namespace {
 // half is left to bucketing and prefetching.
 class KeepGatheredParams : public Pass {
  public:
-  KeepGatheredParams(std::optional<int64_t> budget, std::optional<CollectiveCost> cost)
-      : budget_(budget), cost_(cost) {}
+  KeepGatheredParams(std::optional<int64_t> budget, std::optional<CollectiveCost> cost,
+                     std::optional<std::set<int64_t>> candidates)
+      : budget_(budget), cost_(cost), candidates_(std::move(candidates)) {}
 
   std::string name() const override { return "keep_gathered_params"; }
 
@@ -48,7 +49,9 @@ class KeepGatheredParams : public Pass {
     std::set<int64_t> read;
     for (const Node& n : graph.nodes) {
       for (const Operand& o : n.operands) {
-        if (o.is_param() && !graph.params.at(*o.param).kept) read.insert(*o.param);
+        if (!o.is_param() || graph.params.at(*o.param).kept) continue;
+        if (candidates_ && !candidates_->count(*o.param)) continue;  // backward never reads it
+        read.insert(*o.param);
       }
     }
     std::vector<int64_t> order(read.begin(), read.end());
@@ -63,13 +66,15 @@ class KeepGatheredParams : public Pass {
 
   std::optional<int64_t> budget_;
   std::optional<CollectiveCost> cost_;
+  std::optional<std::set<int64_t>> candidates_;
 };
 
 }  // namespace
 
 std::unique_ptr<Pass> make_keep_gathered_params(std::optional<int64_t> budget_bytes,
-                                                std::optional<CollectiveCost> gather_cost) {
-  return std::make_unique<KeepGatheredParams>(budget_bytes, gather_cost);
+                                                std::optional<CollectiveCost> gather_cost,
+                                                std::optional<std::set<int64_t>> candidates) {
+  return std::make_unique<KeepGatheredParams>(budget_bytes, gather_cost, std::move(candidates));
 }
 
 }  // namespace sharc::ir
