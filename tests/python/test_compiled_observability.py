@@ -21,7 +21,10 @@ def _observe(rank, world, dump_dir):
     shard_bytes = {r.fqn: r.shard.numel() * r.shard.element_size()
                    for r in root.refs_by_shard.values()}
     trainable = {r.fqn for r in root.refs_by_shard.values() if r.shard.requires_grad}
-    compiled = torch.compile(model, backend="sharc", options={"dump_ir": dump_dir})
+    # Unprofiled: the counters pinned below are those of the plain schedule
+    # (selective unsharding would skip the kept parameters' backward gathers).
+    compiled = torch.compile(model, backend="sharc", options={"dump_ir": dump_dir,
+                                                               "profile": False})
     x, y = global_batch(0, 2 * world)
     x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
     per_step = []
@@ -55,7 +58,10 @@ def test_profiler_labels_ir_dumps_and_per_step_counters():
                 for label in ("sharc::start_gather", "sharc::wait_gather", "sharc::release",
                               "sharc::start_reduce_scatter", "sharc::wait_reduce_scatter"):
                     assert label in labels, f"{label} missing from {labels}"
-            assert per_step[1][1] == per_step[2][1]  # the same traffic every step
+            # The same traffic every step (the time spent waiting varies).
+            timing = ("gather_wait_ns", "reduce_wait_ns")
+            assert ({k: v for k, v in per_step[1][1].items() if k not in timing} ==
+                    {k: v for k, v in per_step[2][1].items() if k not in timing})
             files = sorted(f for f in os.listdir(dump_dir) if f.startswith(f"rank{rank}_"))
             kinds = {f.split("_")[2].split(".")[0] for f in files}
             assert kinds == {"forward", "backward"}, files

@@ -68,8 +68,9 @@ def _run(rank, world, prefetch):
         ref = next(r for r in root.refs_by_shard.values() if r.fqn == f"{name}.weight")
         _WATCHED[name] = (root.runtime, ref.pid)
     # No gather bucketing, so each gather stays its own collective; with
-    # prefetch off, each sits right before its first use.
-    options = {"gather_bucket_bytes": 0}
+    # prefetch off, each sits right before its first use; unprofiled, so
+    # nothing is kept gathered beyond c (selective unsharding would keep a).
+    options = {"gather_bucket_bytes": 0, "profile": False}
     if not prefetch:
         options["disable_passes"] = ("prefetch_gathers",)
     compiled = torch.compile(model, backend="sharc", options=options)
