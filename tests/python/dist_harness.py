@@ -16,7 +16,7 @@ import traceback
 
 
 
-def _rank_main(fn, rank, world_size, init_file, conn, args, init_group):
+def _rank_main(fn, rank, world_size, init_file, conn, args, init_group, backend):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -25,7 +25,7 @@ def _rank_main(fn, rank, world_size, init_file, conn, args, init_group):
     torch.manual_seed(0)  # every rank builds the same model unless a test says otherwise
     try:
         if init_group:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}",
+            dist.init_process_group(backend, init_method=f"file://{init_file}",
                                     rank=rank, world_size=world_size)
         # Plain pickle: torch's multiprocessing reducers would share tensors
         # through file descriptors that vanish when this process exits.
@@ -42,7 +42,8 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool = True):
+def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool = True,
+              backend: str = "gloo"):
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
@@ -50,7 +51,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main,
-                            args=(fn, rank, world_size, init_file, child, args, init_group))
+                            args=(fn, rank, world_size, init_file, child, args, init_group,
+                                  backend))
             p.start()
             child.close()
             pipes.append(parent)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The CUDA check (issue 12), for a machine with a GPU and a CUDA build of
+# torch already installed (no network needed): builds sharc's extension
+# against that torch into build/gpu, then runs tests/python/test_cuda.py,
+# writing everything to a log.
+#
+#   bash scripts/gpu_check.sh [log directory]     # default: build/gpu
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#
+# The CPU set-up (scripts/setup.sh) and CI are not involved.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+LOG_DIR=${1:-build/gpu}
+mkdir -p "$LOG_DIR"
+LOG="$LOG_DIR/gpu_check.log"
+exec > >(tee "$LOG") 2>&1
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: $PYTHON has no CUDA torch, or no GPU is visible; this check needs both" >&2
+  exit 1
+fi
+"$PYTHON" -c "import torch; print('gpu:', torch.cuda.get_device_name(0)); \
+print('torch:', torch.__version__, 'cuda:', torch.version.cuda)"
+
+command -v cmake >/dev/null || { echo "gpu_check: cmake is needed" >&2; exit 1; }
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+cmake -S . -B build/gpu "${GENERATOR[@]}" -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
+  -DSHARC_BUILD_EXTENSION=ON -DSHARC_BUILD_TESTS=OFF
+cmake --build build/gpu -j "$(nproc)"
+mkdir -p python/sharc/lib
+cp build/gpu/libsharc_torch.so python/sharc/lib/
+
+export PYTHONPATH="$PWD/python:$PWD/tests/python${PYTHONPATH:+:$PYTHONPATH}"
+if "$PYTHON" -c "import pytest" 2>/dev/null; then
+  "$PYTHON" -m pytest tests/python/test_cuda.py -v
+else
+  echo "gpu_check: pytest is not installed; running the tests without it"
+  "$PYTHON" tests/python/test_cuda.py
+fi
+echo "gpu_check: passed; log in $LOG"
