@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
-from models import shard_of
+from models import gathered_beyond_kept, shard_of
 
 MODES = ["eager", "compiled"]
 
@@ -73,7 +73,7 @@ def _retain(rank, world, mode, zero_between):
             loss.backward(retain_graph=i < len(losses) - 1)
             if zero_between and i < len(losses) - 1:
                 model.zero_grad()
-        results.append((_grads(model), sharc.memory_stats()["gathered_bytes"]))
+        results.append((_grads(model), gathered_beyond_kept()))
     return results
 
 
@@ -102,8 +102,7 @@ def _input_grad(rank, world, mode):
     for it in range(2):
         x = batch(it, rank, world)[0].requires_grad_()
         (gx,) = torch.autograd.grad(step(x).pow(2).sum(), x)
-        outs.append((gx, [p.grad for p in model.parameters()],
-                     sharc.memory_stats()["gathered_bytes"]))
+        outs.append((gx, [p.grad for p in model.parameters()], gathered_beyond_kept()))
     return outs
 
 
@@ -184,7 +183,7 @@ def _no_backward(rank, world, mode):
         step(*batch(it, rank, world))
         model.train()
         step(*batch(it, rank, world))  # a training forward dropped without backward
-        seen.append((sharc.memory_stats()["gathered_bytes"],
+        seen.append((gathered_beyond_kept(),
                      sharc.memory_stats()["reduce_scatter_calls"],
                      [p.grad for p in model.parameters()]))
         step(*batch(it, rank, world)).pow(2).mean().backward()
@@ -231,7 +230,7 @@ def scenario_like(model, rank, world):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append((loss.item(), sharc.memory_stats()["gathered_bytes"]))
+        losses.append((loss.item(), gathered_beyond_kept()))
     return losses, sharc.full_state_dict(model)
 
 

@@ -154,3 +154,47 @@ def test_a_read_on_one_rank_raises_there_and_the_job_goes_on(verify):
     assert "not every rank did within 3 s (ShardConfig.rank_check_timeout_s)" in first
     assert second == "no error"
     assert grad0.shape == grad1.shape and grad0.abs().sum() > 0
+
+
+# -- a recompile on one rank only ---------------------------------------------------
+class _Scaler(nn.Module):
+    """`scale` changes no parameter use: ranks that pass different values
+    issue the same collectives, although one of them compiles again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x, scale: bool):
+        x = self.first(x)
+        if scale:
+            x = x * 2
+        return self.last(x).pow(2).mean()
+
+
+def _one_rank_recompiles(rank, world, mode):
+    import sharc
+
+    model = _Scaler()
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    losses = []
+    for it in range(3):  # rank 1 alone compiles a second graph at step 1
+        loss = step(torch.full((2, 6), float(rank + it)), rank == 1 and it > 0)
+        loss.backward()
+        losses.append(loss.item())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return losses, grads
+
+
+def test_a_recompile_on_one_rank_issues_no_collective():
+    """Compiling (profiling included) may run on some ranks only: it must
+    not issue a collective of its own, or it pairs with the other ranks'
+    gathers (a hang or an abort)."""
+    compiled = run_ranks(_one_rank_recompiles, 2, "compiled", timeout=180)
+    eager = run_ranks(_one_rank_recompiles, 2, "eager", timeout=120)
+    for (c_losses, c_grads), (e_losses, e_grads) in zip(compiled, eager):
+        assert c_losses == pytest.approx(e_losses, rel=1e-5)
+        for name in e_grads:
+            torch.testing.assert_close(c_grads[name], e_grads[name], rtol=1e-4, atol=1e-6)

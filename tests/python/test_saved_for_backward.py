@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
+from models import gathered_beyond_kept
 
 WIDTH = 256
 BF16_WEIGHT_BYTES = WIDTH * WIDTH * 2
@@ -47,7 +48,7 @@ def _forward_leftover(rank, world, mode, autocast, copy_weight):
     for _ in range(2):  # the first compiled step compiles
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss, leftover = _net_bytes(lambda: step(x))
-        gathered = sharc.memory_stats()["gathered_bytes"]
+        gathered = gathered_beyond_kept()
         loss.backward()
         out.append((leftover, gathered, loss.item()))
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]

@@ -6,10 +6,14 @@ stride, dtype, device): floats random from a generator of its own, integers
 and bools zero (so index ops stay in range). One warm-up run, then the
 median of a few, synchronized on a device. Nothing real is touched: the
 stand-ins are fresh tensors and the global RNG state is restored after, so
-the step computes what it would have without profiling. The ranks then
-average their costs with one all-reduce, so that every rank schedules from
-the same numbers (and issues the same collectives); a node whose cost some
-rank could not measure stays unmeasured everywhere.
+the step computes what it would have without profiling.
+
+The costs are this rank's own, and profiling issues no collective: a graph
+may be compiled on some ranks only (a recompile after a guard failed on
+one rank's data), and a collective there would pair with whatever the
+other ranks do next. So no pass that decides which collectives run may
+read compute costs; those decisions read only what every rank agreed on
+when the group's collective costs were measured (see schedule.py).
 
 Not measured (no cost): sharc's own ops and collectives (their costs come
 from the group's measured collective costs), nodes with symbolic shapes,
@@ -24,7 +28,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
@@ -33,18 +36,16 @@ _SKIPPED_NAMESPACES = ("sharc", "_c10d_functional", "c10d", "c10d_functional")
 _BUDGET_S = 10.0  # the most a graph's profiling may take; the rest stays unmeasured
 
 
-def profile_compute(graph: fx.Graph, group_name: str) -> dict[fx.Node, float]:
-    """Microseconds per call_function node of `graph`, the same on every rank
-    of the group (collective: every rank must call it for the same graph)."""
+def profile_compute(graph: fx.Graph) -> dict[fx.Node, float]:
+    """Microseconds per call_function node of `graph`, as measured here."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and _measurable(n)]
     devices = _devices(nodes)
     with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
         generator = torch.Generator().manual_seed(0)
         deadline = time.monotonic() + _BUDGET_S
-        mine = [_time_node(n, generator, devices) if time.monotonic() < deadline else -1.0
-                for n in nodes]
-    agreed = _agree(mine, group_name, devices)
-    return {n: us for n, us in zip(nodes, agreed) if us >= 0}
+        costs = [_time_node(n, generator, devices) if time.monotonic() < deadline else -1.0
+                 for n in nodes]
+    return {n: us for n, us in zip(nodes, costs) if us >= 0}
 
 
 def _measurable(node: fx.Node) -> bool:
@@ -115,18 +116,3 @@ def _sync(devices) -> None:
     for d in devices:
         if d.type == "cuda":
             torch.cuda.synchronize(d)
-
-
-def _agree(mine: list[float], group_name: str, devices) -> list[float]:
-    """The ranks' mean cost per node; unmeasured (-1) where any rank did not
-    measure it."""
-    if not mine or not dist.is_initialized():
-        return mine
-    group = torch._C._distributed_c10d._resolve_process_group(group_name)
-    device = next(iter(devices)) if group.size() > 1 else torch.device("cpu")
-    costs = torch.tensor(mine, dtype=torch.float64, device=device)
-    missing = (costs < 0).to(torch.float64)
-    both = torch.stack([costs.clamp(min=0), missing])
-    dist.all_reduce(both, group=group)
-    mean = both[0] / group.size()
-    return [-1.0 if m > 0 else float(c) for c, m in zip(mean.tolist(), both[1].tolist())]

@@ -3,10 +3,12 @@ rebuild the FX graph."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -40,7 +42,7 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
         # Python dispatcher are off (a communication thread must never need
         # the interpreter this thread holds while it waits).
         with unset_fake_temporarily(), no_python_dispatcher():
-            compute = profile_compute(gm.graph, group_name)
+            compute = profile_compute(gm.graph)
             collective = list(runtime.collective_costs())
     lowered = lower(gm.graph, compute, dict(runtime.persistent_params()))
     budget = config.memory_budget_bytes
@@ -51,7 +53,7 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
         reduce_bucket_bytes=config.reduce_bucket_bytes,
         disabled_passes=list(config.disable_passes),
         trace=config.dump_ir is not None,
-        memory_budget_bytes=default_budget(lowered) if budget is None else budget,
+        memory_budget_bytes=default_budget(lowered, group_name) if budget is None else budget,
         collective_costs=collective,
         keep_for_backward=kind == "forward",
         keep_candidates=[s.ir_id for s in lowered.slots.values()
@@ -66,16 +68,32 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
     return gm
 
 
-def default_budget(lowered) -> int:
+def default_budget(lowered, group_name: str) -> int:
     """CompileConfig.memory_budget_bytes' default rule: on a CUDA device an
-    eighth of the memory free now, elsewhere four times the largest
-    parameter the graph reads (the scheduler raises either to what the
-    graph needs at least)."""
+    eighth of the memory free on the emptiest rank at the group's first
+    compile, elsewhere four times the largest parameter the graph reads
+    (the scheduler raises either to what the graph needs at least). Every
+    rank must get the same budget, or they keep different parameters and
+    issue different collectives."""
     slot = next(iter(lowered.slots.values()))
     device = slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 8
+        return _agreed_free_bytes(group_name, device) // 8
     return 4 * max(s.bytes for s in lowered.slots.values())
+
+
+@functools.cache
+def _agreed_free_bytes(group_name: str, device: torch.device) -> int:
+    """The least free device memory over the group's ranks, measured once
+    per group: at its first compile, which every rank runs (a recompile on
+    some ranks only finds it cached and issues no collective)."""
+    with unset_fake_temporarily(), no_python_dispatcher():  # a real collective
+        free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.int64,
+                            device=device)
+        if dist.is_initialized():
+            group = torch._C._distributed_c10d._resolve_process_group(group_name)
+            dist.all_reduce(free, op=dist.ReduceOp.MIN, group=group)
+        return int(free.item())
 
 
 def _keep(runtime, lowered, params) -> None:
