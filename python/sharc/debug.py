@@ -1,8 +1,11 @@
-"""Debug mode: reading a released parameter raises instead of crashing.
+"""Debug mode: a read of a released parameter raises a typed error naming
+the operator.
 
-A released buffer keeps its shape but holds 0 bytes, so a stale reference to
-a gathered parameter read after release would read freed memory. Inside
-`released_reads_raise()` every operator first checks its tensor arguments.
+A released buffer keeps its shape but holds 0 bytes, and any kernel reading
+it raises a RuntimeError from the storage (outside debug mode too). Inside
+`released_reads_raise()` every operator first checks its tensor arguments,
+so the error is a ReleasedParameterRead that names the operator, raised
+before any kernel runs.
 """
 
 from __future__ import annotations

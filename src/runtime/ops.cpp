@@ -103,6 +103,12 @@ class GatherFunction : public torch::autograd::Function<GatherFunction<OpName>> 
 constexpr char kGather[] = "sharc::gather";
 constexpr char kAllGather[] = "sharc::all_gather";
 
+// A gathered value a compiled graph returns to its caller (escaping.py): a
+// copy with storage of its own, an op no compiler pass may fold away.
+at::Tensor escaping_copy(const at::Tensor& full) {
+  return full.clone(at::MemoryFormat::Contiguous);
+}
+
 template <const char* OpName>
 at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
                            const std::string& group, int64_t param) {
@@ -116,6 +122,11 @@ TORCH_LIBRARY(sharc, m) {
   m.def("gather(Tensor shard, int[] shape, str group, int param) -> Tensor");
   m.def("all_gather(Tensor shard, int[] shape, str group, int param) -> Tensor");
   m.def("reduce_scatter(Tensor grad, str group, int param) -> Tensor");
+  m.def("escaping_copy(Tensor full) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sharc, CompositeExplicitAutograd, m) {
+  m.impl("escaping_copy", sharc::escaping_copy);
 }
 
 TORCH_LIBRARY_IMPL(sharc, CPU, m) {

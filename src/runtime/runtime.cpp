@@ -51,6 +51,16 @@ int64_t ShardedParam::full_bytes() const {
   return layout.padded_numel() * static_cast<int64_t>(base.element_size());
 }
 
+void ShardedParam::free_base() {
+  c10::Storage storage = base.storage();
+  free_storage(storage, detail::concat(
+      "sharc: '", name, "' was read after sharc released its gathered value: this tensor "
+      "is a reference to the full parameter kept past its last use (for example "
+      "`module.weight.detach()` stored in a forward hook). Keep a copy instead "
+      "(`module.weight.detach().clone()` inside forward), or read the parameter again "
+      "where you need it (on every rank: outside forward it is gathered on access)"));
+}
+
 void ShardedParam::retype_base(c10::ScalarType dtype) {
   if (base.scalar_type() == dtype) return;
   at::Tensor retyped = at::empty({0}, base.options().dtype(dtype));
@@ -123,7 +133,7 @@ void Runtime::claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype) {
     p.state.begin_refresh();  // persistent: gathered again into the buffer it keeps
     if (p.base.scalar_type() == dtype) return;
     accounting_.on_freed(p.full_bytes());  // ... unless the buffer's dtype changes
-    free_storage(storage);
+    p.free_base();
   } else {
     p.state.begin_gather();
   }
@@ -250,8 +260,7 @@ void Runtime::release(int64_t id) {
   RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
   ShardedParam& p = param(id);
   if (p.state.release()) {
-    c10::Storage storage = p.base.storage();
-    free_storage(storage);
+    p.free_base();
     accounting_.on_freed(p.full_bytes());
     p.handed_out.clear();
   }
@@ -271,8 +280,7 @@ bool Runtime::release_or_hand_over(int64_t id) {
     p.renew_base();
     return true;
   }
-  c10::Storage storage = p.base.storage();
-  free_storage(storage);
+  p.free_base();
   return false;
 }
 
@@ -543,8 +551,7 @@ std::vector<int64_t> Runtime::drop_unheld(const std::vector<int64_t>& ids) {
     }
     p.state.acquire();  // the state machine frees through the last hold
     p.state.release();
-    c10::Storage storage = p.base.storage();
-    free_storage(storage);
+    p.free_base();
     accounting_.on_freed(p.full_bytes());
     p.handed_out.clear();
     dropped.push_back(id);
@@ -588,6 +595,11 @@ at::Tensor Runtime::meta_full(int64_t id, c10::ScalarType dtype) {
 std::string Runtime::state(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return to_string(param(id).state.state());
+}
+
+std::string Runtime::name(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).name;
 }
 
 ShardLayout Runtime::layout(int64_t id) {

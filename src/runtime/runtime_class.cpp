@@ -46,6 +46,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("wait_gather", &sharc::Runtime::wait_gather)
       .def("padded_base", &sharc::Runtime::padded_base)
       .def("state", &sharc::Runtime::state)
+      .def("name", &sharc::Runtime::name)
       .def("stats", &sharc::Runtime::stats)
       .def("collective_costs", &sharc::Runtime::collective_costs)
       .def("reset_stats", &sharc::Runtime::reset_stats);

@@ -173,9 +173,15 @@ def _dumped(rank, world, directory):
                   if n.startswith(f"rank{rank}_") and n.endswith(".after.ir"))
 
 
-def test_measured_costs_are_in_the_ir_and_the_same_on_every_rank(tmp_path):
+def _without_compute_costs(irs: list[str]) -> list[str]:
+    return [re.sub(r'(compute "[^"]*".*?) cost=\S+', r"\1", ir) for ir in irs]
+
+
+def test_measured_costs_are_in_the_ir_and_the_schedule_the_same_on_every_rank(tmp_path):
     first, second = run_ranks(_dumped, 2, str(tmp_path))
-    assert first == second  # every rank scheduled from the same numbers
+    # Compute costs are each rank's own measurements; everything that
+    # decides collectives (the collective costs included) is agreed.
+    assert _without_compute_costs(first) == _without_compute_costs(second)
     forward = next(t for t in first if "reduce_scatter" not in t)
     assert 'compute "aten.mm.default"' in forward or 'compute "aten.addmm.default"' in forward
     assert any(" cost=" in line for line in forward.splitlines() if "compute" in line)

@@ -27,7 +27,9 @@ _RECORDS: list[tuple[str, dict[str, tuple[int, int]]]] = []
 def probe(x: torch.Tensor, label: str) -> torch.Tensor:
     storages = {name: runtime.padded_base(pid).untyped_storage()
                 for name, (runtime, pid) in _WATCHED.items()}
-    _RECORDS.append((label, {n: (s.nbytes(), s.data_ptr()) for n, s in storages.items()}))
+    # A released storage has no data pointer to read (reading it raises).
+    _RECORDS.append((label, {n: (s.nbytes(), s.data_ptr() if s.nbytes() else 0)
+                             for n, s in storages.items()}))
     return x.clone()
 
 

@@ -285,6 +285,77 @@ def test_kept_weight_stays_valid_and_is_reported():
         assert len(messages) == 1 and "'b.weight' was still referenced" in messages[0]
 
 
+# -- a reference kept past release: an error on read (eager), a copy (compiled) ---
+def _escaped_reference(rank, world, mode, how):
+    import warnings
+
+    import sharc
+
+    model = make_net()
+    kept = {}
+
+    def keep(mod, inputs, output):
+        kept["w"] = mod.weight.detach()  # a new tensor over the gathered bytes
+
+    if how == "hook before shard":
+        model.b.register_forward_hook(keep)
+    sharc.shard(model)
+    if how in ("hook after shard", "hook, no_grad"):
+        model.b.register_forward_hook(keep)
+    if how == "attribute":
+        inner = model.forward
+
+        def forward(x):
+            kept["w"] = model.b.weight.detach()
+            return inner(x)
+        model.forward = forward
+    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    errors, same = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for it in range(2):
+            if how == "hook, no_grad":  # an inference graph
+                with torch.no_grad():
+                    step(*batch(it, rank, world))
+            else:
+                step(*batch(it, rank, world)).pow(2).mean().backward()
+            full = sharc.full_state_dict(model)["b.weight"]
+            for touch in (lambda w: same.append(torch.equal(w, full)), lambda w: repr(w),
+                          lambda w: w.add_(1)):
+                try:
+                    touch(kept["w"])
+                    errors.append(None)
+                except RuntimeError as e:
+                    errors.append(str(e))
+    loss = step(*batch(2, rank, world)).pow(2).mean()  # training goes on unharmed
+    loss.backward()
+    warned = [str(w.message) for w in caught if "a compiled graph returns" in str(w.message)]
+    return errors, same, warned, loss.item(), sharc.memory_stats()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["hook before shard", "hook after shard", "attribute",
+                                 "hook, no_grad"])
+def test_a_weight_kept_past_release_raises_on_read_or_is_a_copy(mode, how):
+    """Eager: a `.detach()` escapes sharc's tracking of handed-out tensors,
+    so its storage is freed at release and every read or write raises,
+    naming the parameter. Compiled: the graph returns a copy (with a
+    warning), valid while held. Never freed memory read as if valid."""
+    results = run_ranks(_escaped_reference, 2, mode, how)
+    for errors, same, warned, loss, stats in results:
+        assert len(errors) == 6, errors
+        if mode == "eager":
+            for e in errors:
+                assert e is not None, errors
+                assert "sharc: 'b.weight' was read after sharc released its gathered value" in e
+                assert "detach().clone()" in e
+        else:
+            assert errors == [None] * 6 and same == [True, True]
+            assert warned and "'b.weight'" in warned[0] and "full-size copy" in warned[0]
+        assert stats["gathered_bytes"] == stats["kept_gathered_bytes"]
+    assert results[0][3] == pytest.approx(results[1][3], rel=10)  # both finite, ran on
+
+
 # -- an optimizer created before shard() ---------------------------------------------
 def _optimizer_first(rank, world):
     import sharc

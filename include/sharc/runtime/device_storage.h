@@ -12,15 +12,25 @@
 // the current stream wait on Work::wait(); freeing on the current stream after
 // that wait is therefore ordered after the collective, and no extra events are
 // needed here.
+//
+// A freed storage also raises on any read of its data (c10's data-pointer
+// access check, which every kernel's data() call already tests), with a
+// message that says what was read and what to do instead: a reference that
+// escaped sharc's tracking (a `.detach()` kept in a hook) gets an error, never
+// freed memory. Gathering into the storage again lifts the check.
+
+#include <string>
 
 #include <c10/core/Storage.h>
 
 namespace sharc {
 
-/// Gives `storage` `nbytes` new, uninitialised bytes on its own device.
+/// Gives `storage` `nbytes` new, uninitialised bytes on its own device, and
+/// makes its data readable again.
 void allocate_storage(c10::Storage& storage, int64_t nbytes);
 
-/// Frees the bytes of `storage`; its nbytes() becomes 0.
-void free_storage(c10::Storage& storage);
+/// Frees the bytes of `storage`; its nbytes() becomes 0 and any later read
+/// of its data raises `read_error`.
+void free_storage(c10::Storage& storage, std::string read_error);
 
 }  // namespace sharc

@@ -82,6 +82,9 @@ struct ShardedParam {
 
   /// Bytes of the padded buffer in its current dtype.
   int64_t full_bytes() const;
+  /// Frees the buffer's bytes in place; a read through any reference
+  /// still holding the storage then raises an error naming the parameter.
+  void free_base();
   /// A new, empty (0-byte) buffer of its own for `base`.
   void renew_base();
   /// Points `base` at the same storage in `dtype` (the storage's bytes are
@@ -207,6 +210,8 @@ class Runtime : public torch::CustomClassHolder {
   /// The padded flat buffer (its storage holds 0 bytes while not gathered).
   at::Tensor padded_base(int64_t id);
   std::string state(int64_t id);
+  /// The parameter's name, as registered (its canonical module path).
+  std::string name(int64_t id);
   /// A meta tensor shaped like parameter `id`'s full value, in `dtype`.
   at::Tensor meta_full(int64_t id, c10::ScalarType dtype);
 

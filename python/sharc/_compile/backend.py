@@ -14,8 +14,7 @@ import functools
 import torch
 import torch.fx as fx
 
-from sharc._compile.recompute import (RecomputeGathers, mark_gathers_for_recompute,
-                                     read_in_backward)
+from sharc._compile.recompute import RecomputeGathers, prepare_joint_graph
 from sharc._compile.schedule import schedule_graph
 from sharc.config import CompileConfig
 
@@ -69,11 +68,12 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
         return compile_graph
 
     def partition(joint, joint_inputs, **kwargs):
-        backward_reads.update(read_in_backward(joint.graph))
-        mark_gathers_for_recompute(joint.graph)
+        prepare_joint_graph(joint.graph, backward_reads)
+        joint.recompile()
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                           inference_compiler=compiler("inference"),
                            partition_fn=partition, keep_inference_input_mutations=True)
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return backend(gm, example_inputs)

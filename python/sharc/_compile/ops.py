@@ -15,6 +15,7 @@ WAIT_GATHER = torch.ops.sharc.wait_gather.default
 RELEASE = torch.ops.sharc.release.default
 START_REDUCE_SCATTER = torch.ops.sharc.start_reduce_scatter.default
 WAIT_REDUCE_SCATTER = torch.ops.sharc.wait_reduce_scatter.default
+ESCAPING_COPY = torch.ops.sharc.escaping_copy.default
 
 # Neither FX dead-code elimination nor Inductor's scheduler may drop these:
 # the starts launch collectives and release frees memory (and has no output

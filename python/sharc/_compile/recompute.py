@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from sharc._compile.escaping import copy_escaping_gathers
 from sharc._compile.ops import ALL_GATHER, is_call, is_view, param_key
 
 _COPIES = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
@@ -66,17 +67,29 @@ def read_in_backward(graph: fx.Graph) -> set[tuple[str, int]]:
 
 
 class RecomputeGathers(CustomGraphPass):
-    """The pass in the form Inductor's `joint_custom_post_pass` hook takes (after Inductor's own joint-graph
-    rewrites, which may replace tagged view nodes, and right before partitioning).
-    It also records which parameters the backward reads (`read_in_backward`),
-    for the forward graph's selective unsharding."""
+    """prepare_joint_graph in the form Inductor's `joint_custom_post_pass`
+    hook takes (after Inductor's own joint-graph rewrites, which may replace
+    tagged view nodes, and right before partitioning). It keeps which
+    parameters the backward reads (`read_in_backward`), for the forward
+    graph's selective unsharding."""
 
     def __init__(self) -> None:
         self.read_in_backward: set[tuple[str, int]] = set()
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.read_in_backward |= read_in_backward(graph)
-        mark_gathers_for_recompute(graph)
+        prepare_joint_graph(graph, self.read_in_backward)
+
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        from sharc._compile import escaping, ops
+
+        return get_hash_for_files((__file__, escaping.__file__, ops.__file__))
+
+
+def prepare_joint_graph(graph: fx.Graph, backward_reads: set[tuple[str, int]]) -> None:
+    """What sharc does to a joint graph before partitioning: records what
+    the backward reads, tags gathers for recompute, and returns copies of
+    gathered values that the caller gets back (escaping.py)."""
+    backward_reads |= read_in_backward(graph)
+    mark_gathers_for_recompute(graph)
+    copy_escaping_gathers(graph)

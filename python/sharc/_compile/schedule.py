@@ -14,6 +14,7 @@ from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from sharc._compile.apply import rebuild
+from sharc._compile.escaping import copy_escaping_gathers
 from sharc._compile.lower import lower
 from sharc._compile.profile import profile_compute
 from sharc._library import Runtime
@@ -31,6 +32,8 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
     backward reads, the only ones a forward graph may keep gathered."""
     if kind == "backward":
         merge_gradient_reductions(gm.graph)
+    if kind == "inference":  # training graphs: done in the joint graph
+        copy_escaping_gathers(gm.graph)
     lowered = lower(gm.graph)
     if not lowered.slots:
         return gm  # nothing sharded is read here
