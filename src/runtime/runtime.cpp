@@ -51,6 +51,17 @@ int64_t ShardedParam::full_bytes() const {
   return layout.padded_numel() * static_cast<int64_t>(base.element_size());
 }
 
+bool ShardedParam::take_in_place_write() {
+  bool written = false;
+  for (HandedOut& out : handed_out) {
+    if (!out.counter.enabled()) continue;  // made in inference mode: no counter
+    const uint32_t now = out.counter.current_version();
+    written = written || now != out.version;
+    out.version = now;
+  }
+  return written;
+}
+
 void ShardedParam::free_base() {
   c10::Storage storage = base.storage();
   free_storage(storage, detail::concat(
@@ -270,11 +281,21 @@ bool Runtime::release_or_hand_over(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
   ShardedParam& p = param(id);
-  if (!p.state.release()) return false;
+  // Checks per release, nothing on any operator's path.
+  const bool written = p.take_in_place_write();
+  const bool handed_over = p.state.release() && finish_release_locked(p);
+  SHARC_CHECK(!written, "sharc: '", p.name, "' was changed in place inside forward (a write "
+              "to the gathered parameter, such as `self.weight.mul_(...)`); the change never "
+              "reaches the shards and is lost when the gathered value is released. Change "
+              "parameters outside forward, on every rank, inside `with sharc.unsharded(model, "
+              "writeback=True):`, or compute with a changed copy (`w = self.weight * s`)");
+  return handed_over;
+}
+
+bool Runtime::finish_release_locked(ShardedParam& p) {
   accounting_.on_freed(p.full_bytes());  // no longer the runtime's, either way
-  // One check per release, nothing on any operator's path.
   const bool kept = std::any_of(p.handed_out.begin(), p.handed_out.end(),
-                                [](const auto& weak) { return weak.use_count() > 0; });
+                                [](const auto& out) { return out.tensor.use_count() > 0; });
   p.handed_out.clear();
   if (kept) {
     p.renew_base();
@@ -500,12 +521,18 @@ at::Tensor Runtime::hand_out(ShardedParam& p) {
   // it stays a true-shape alias whose bytes vanish when the base is freed.
   at::Tensor view = at::empty({0}, p.base.options());
   view.set_(p.base.storage(), 0, p.shape, c10::contiguous_strides(p.shape));
-  // Dead ones are dropped here: a persistent parameter is handed out every
-  // step and never released.
-  auto dead = [](const auto& weak) { return weak.expired(); };
+  // Dead ones are dropped here (a persistent parameter is handed out every
+  // step and never released), but a written one stays until a release
+  // reports it.
+  auto dead = [](const ShardedParam::HandedOut& out) {
+    return out.tensor.expired() &&
+           (!out.counter.enabled() || out.counter.current_version() == out.version);
+  };
   p.handed_out.erase(std::remove_if(p.handed_out.begin(), p.handed_out.end(), dead),
                      p.handed_out.end());
-  p.handed_out.emplace_back(view.getIntrusivePtr());
+  const c10::VariableVersion& counter = view.unsafeGetTensorImpl()->version_counter();
+  p.handed_out.push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(view.getIntrusivePtr()),
+                          counter, counter.enabled() ? counter.current_version() : 0});
   return view;
 }
 

@@ -93,3 +93,54 @@ def test_writeback_must_be_a_bool():
     with pytest.raises(TypeError, match="writeback must be a bool"):
         with sharc.unsharded(nn.Linear(2, 2), writeback="yes"):
             pass
+
+
+class _WritesInForward(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.how = nn.Linear(5, 5), how
+
+    def forward(self, x):
+        w = self.lin.weight
+        if self.how == "method":
+            w.mul_(2)
+        elif self.how == "operator":
+            w += 1
+        elif self.how == "view":
+            w.t()[0].zero_()
+        return x @ w.t()
+
+
+def _write_in_forward(rank, world, how, mode, grad):
+    import sharc
+
+    model = _WritesInForward(how)
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    try:
+        with torch.set_grad_enabled(grad):
+            out = step(torch.ones(2, 5))
+        if grad:
+            out.sum().backward()
+        message = "no error"
+    except Exception as e:  # noqa: BLE001  (compiled: wrapped by Dynamo)
+        message = str(e)
+    model.how = "none"  # the model still works, and nothing reached the shards
+    out = model(torch.ones(2, 5))
+    return message, sharc.full_state_dict(model)["lin.weight"]
+
+
+@pytest.mark.parametrize("mode,grad", [("eager", False), ("eager", True), ("compiled", True)])
+@pytest.mark.parametrize("how", ["method", "operator", "view"])
+def test_a_write_to_a_gathered_parameter_inside_forward_raises(how, mode, grad):
+    torch.manual_seed(0)
+    initial = nn.Linear(5, 5).weight.detach()
+    for message, weight in run_ranks(_write_in_forward, 2, how, mode, grad):
+        if mode == "eager":
+            assert "sharc: 'lin.weight' was changed in place inside forward" in message, message
+        else:
+            assert "the compiled forward writes in place to a gathered parameter" in message, \
+                message
+        assert "sharc.unsharded(model, writeback=True)" in message
+        assert torch.equal(weight, initial)

@@ -69,10 +69,18 @@ struct ShardedParam {
   GatherSpec spec;
   /// Flat full gradient summed over no_sync micro-batches, not yet reduced.
   at::Tensor unreduced;
-  /// The full tensors handed out since the buffer was gathered, weakly: one
-  /// still alive at the last release was kept by someone (a view of it
-  /// keeps it alive too, through its base).
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> handed_out;
+  /// A full tensor handed out since the buffer was gathered, weakly, with
+  /// its version counter (shared by its views and detached aliases, and
+  /// kept beyond the tensor) and the counter's value then: a tensor still
+  /// alive at the last release was kept by someone (a view of it keeps it
+  /// alive too, through its base); a counter that moved, however short the
+  /// tensor's life, counts a write in place.
+  struct HandedOut {
+    c10::weak_intrusive_ptr<c10::TensorImpl> tensor;
+    c10::VariableVersion counter;
+    uint32_t version;
+  };
+  std::vector<HandedOut> handed_out;
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
   bool deferred = false;
@@ -82,6 +90,9 @@ struct ShardedParam {
 
   /// Bytes of the padded buffer in its current dtype.
   int64_t full_bytes() const;
+  /// Whether a handed-out tensor was written in place since it was handed
+  /// out; forgets the write (it is reported once).
+  bool take_in_place_write();
   /// Frees the buffer's bytes in place; a read through any reference
   /// still holding the storage then raises an error naming the parameter.
   void free_base();
@@ -138,6 +149,8 @@ class Runtime : public torch::CustomClassHolder {
   /// whether it handed one over. (Storage use counts cannot tell: a
   /// communication library may still hold views of a finished collective's
   /// output for a while.)
+  /// Raises (after releasing) when a handed-out tensor was written in
+  /// place: the write would be lost.
   bool release_or_hand_over(int64_t id);
   /// Blocking: sums the full gradient over the group, divides by the world
   /// size and returns this rank's flat shard of it.
@@ -263,6 +276,9 @@ class Runtime : public torch::CustomClassHolder {
   static at::Tensor nonfinite_flag(const at::Tensor& grid);
   /// A true-shape tensor over the buffer, recorded in `handed_out`.
   at::Tensor hand_out(ShardedParam& p);
+  /// The last hold on `p` is gone: hands its buffer over to a handed-out
+  /// tensor still alive (true), or frees it.
+  bool finish_release_locked(ShardedParam& p);
   /// The gradient to reduce now: `grad` plus what no_sync held back.
   at::Tensor take_unreduced(ShardedParam& p, const at::Tensor& grad, c10::ScalarType dtype);
   void hold_unreduced(ShardedParam& p, const at::Tensor& grad);

@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.fx as fx
 
+from sharc._compile.in_place_writes import refuse_writes_to_gathered
 from sharc._compile.recompute import RecomputeGathers, prepare_joint_graph
 from sharc._compile.schedule import schedule_graph
 from sharc.config import CompileConfig
@@ -22,6 +23,7 @@ from sharc.config import CompileConfig
 def sharc_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
     """Entry point torch.compile calls (`backend="sharc"`)."""
     config = CompileConfig.from_options(options)
+    refuse_writes_to_gathered(gm)
     if config.inductor:
         return _compile_with_inductor(gm, example_inputs, config)
     return _compile_without_inductor(gm, example_inputs, config)
