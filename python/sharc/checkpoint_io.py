@@ -3,13 +3,17 @@
 `save_checkpoint` writes with torch.distributed.checkpoint into a temporary
 directory beside `path` and publishes it with a rename by rank 0 once every
 rank has finished writing: `path` is either the previous complete checkpoint
-or the new complete one, never a half-written one. `load_checkpoint` checks
-that the checkpoint fits the model (naming the first mismatching key and both
-shapes) before it reads anything.
+or the new complete one, never a half-written one. Beside the files it writes
+a manifest of their sizes and blake2b hashes. `load_checkpoint` checks, before
+it reads anything, that every file is the one saved (a file swapped with
+another rank's, truncated or changed since is named, on every rank) and that
+the checkpoint fits the model (naming the first mismatching key and both
+shapes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +29,8 @@ from sharc.api import sharded_root
 from sharc.checkpoint import get_state_dict, set_state_dict
 
 EXTRA_FILE = "extra.json"
+MANIFEST_FILE = "manifest.json"
+_CHUNK = 1 << 20
 
 
 def _partial(path: str) -> str:
@@ -51,7 +57,10 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=group)
     dist.barrier(group=group)  # every rank's files are complete
+    manifest = _hash_files(tmp, sorted(os.listdir(tmp)), group)
     if dist.get_rank(group) == 0:
+        with open(os.path.join(tmp, MANIFEST_FILE), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
         with open(os.path.join(tmp, EXTRA_FILE), "w") as f:
             json.dump(extra or {}, f)
         _publish(tmp, path)
@@ -78,10 +87,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     ranks) into the sharded model (and optimizer); returns its `extra`.
     Collective."""
     path = _existing(os.fspath(path))
+    group = sharded_root(model).group
+    check_files(path, group)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_compatible(path, model_sd)
     state = {"model": model_sd, "optim": optim_sd}
-    group = sharded_root(model).group
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"] if optimizer is not None else None)
@@ -100,6 +110,47 @@ def _existing(path: str) -> str:
                       "it replaced", stacklevel=3)
         return _previous(path)
     raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def _hash_files(directory: str, names: list[str], group) -> dict[str, list]:
+    """{name: [size, blake2b hex]} of `names`; each rank hashes its share
+    (every world-th file), and every rank gets the whole. Collective."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = {n: _file_digest(os.path.join(directory, n)) for n in names[rank::world]}
+    everyone: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(everyone, mine, group=group)
+    return {n: d for part in everyone for n, d in part.items()}
+
+
+def _file_digest(file: str) -> list:
+    if not os.path.isfile(file):
+        return [-1, "missing"]
+    h = hashlib.blake2b(digest_size=16)
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return [os.path.getsize(file), h.hexdigest()]
+
+
+def check_files(path: str, group) -> None:
+    """Raises on every rank if a file of the checkpoint differs from the one
+    saved (size or hash), or is missing. Checkpoints without a manifest (not
+    written by save_checkpoint) are loaded unchecked. Collective."""
+    manifest_file = os.path.join(path, MANIFEST_FILE)
+    if not os.path.exists(manifest_file):
+        return
+    with open(manifest_file) as f:
+        saved = json.load(f)
+    found = _hash_files(path, sorted(saved), group)
+    bad = [n for n in sorted(saved) if found[n] != saved[n]]
+    if bad:
+        what = "; ".join(f"'{n}' " + ("is missing" if found[n][0] < 0 else
+                                      f"has {found[n][0]} bytes and another hash than the "
+                                      f"{saved[n][0]} bytes saved") for n in bad[:4])
+        raise ValueError(f"checkpoint {path} is not the one saved: {what}. A file was "
+                         "swapped (with another rank's or another checkpoint's), truncated "
+                         "or changed since the save; nothing was loaded. Restore the "
+                         "checkpoint directory as it was written")
 
 
 def check_compatible(path: str, model_state_dict: dict) -> None:

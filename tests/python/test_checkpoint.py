@@ -458,3 +458,58 @@ def test_publish_replaces_a_checkpoint_and_a_lost_one_falls_back(tmp_path):
         assert _existing(path) == path + ".previous"
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         _existing(str(tmp_path / "other"))
+
+
+# ---- files swapped, truncated or changed after the save ------------------------
+
+def _save_for_tamper(rank, world, path):
+    import sharc
+
+    model, opt = _sharded_job()
+    _train(model, opt, rank, world, 1)
+    sharc.save_checkpoint(path, model, opt)
+
+
+def _load_tampered(rank, world, path):
+    import sharc
+
+    model, opt = _sharded_job()
+    before = _local_state(model, opt)
+    try:
+        sharc.load_checkpoint(path, model, opt)
+        message = "loaded"
+    except ValueError as e:
+        message = str(e)
+    after = _local_state(model, opt)
+    untouched = all(torch.equal(before[0][k][1], after[0][k][1]) for k in before[0])
+    return message, untouched
+
+
+@pytest.mark.parametrize("tamper", ["swap ranks", "truncate", "flip a byte", "none"])
+def test_a_checkpoint_file_changed_since_the_save_is_named_and_nothing_loads(tmp_path, tamper):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_for_tamper, 2, path)
+    first, second = (os.path.join(path, f"__{r}_0.distcp") for r in range(2))
+    if tamper == "swap ranks":  # the classic mix: each rank's file under the other's name
+        os.rename(first, first + ".tmp")
+        os.rename(second, first)
+        os.rename(first + ".tmp", second)
+    elif tamper == "truncate":
+        with open(second, "r+b") as f:
+            f.truncate(os.path.getsize(second) // 2)
+    elif tamper == "flip a byte":
+        with open(first, "r+b") as f:
+            f.seek(os.path.getsize(first) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    for message, untouched in run_ranks(_load_tampered, 2, path):
+        if tamper == "none":
+            assert message == "loaded"
+            continue
+        assert message.startswith(f"checkpoint {path} is not the one saved: "), message
+        assert "nothing was loaded" in message
+        named = {"swap ranks": ["'__0_0.distcp'", "'__1_0.distcp'"],
+                 "truncate": ["'__1_0.distcp'"], "flip a byte": ["'__0_0.distcp'"]}[tamper]
+        assert all(n in message for n in named), message
+        assert untouched
