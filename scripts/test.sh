@@ -15,4 +15,4 @@ if [[ "${SHARC_SANITIZE:-1}" != 0 ]]; then
   bash scripts/sanitize.sh
 fi
 
-.venv/bin/python -m pytest tests/python "$@"
+.venv/bin/python -m pytest tests/python --durations=25 "$@"

@@ -79,7 +79,6 @@ class RecomputeGathers(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         prepare_joint_graph(graph, self.read_in_backward)
 
-
     def uuid(self):
         from sharc._compile import escaping, ops
 
