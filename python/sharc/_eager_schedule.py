@@ -163,6 +163,11 @@ def _skip_as_frames(cls):
     return cls
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether a saved-tensor hook pair (someone else's) is active now."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 @_skip_as_frames
 class EagerSchedule:
     """Gather/release policy for one sharded root module (see the note above)."""
@@ -177,6 +182,7 @@ class EagerSchedule:
         self._forward_prefetch = PassPrefetch(runtime, set(unit_ids))
         self._backward_prefetch = PassPrefetch(runtime, set(unit_ids))
         self._saved_hooks = None
+        self._delegating_saves = False  # another saved-tensor hook pair is active
         # Base storages are owned by the runtime for the life of the module,
         # so their addresses identify parameters without reuse.
         self._by_storage = {
@@ -209,9 +215,19 @@ class EagerSchedule:
     @torch.compiler.disable
     def enter_scope(self) -> None:
         if not self._scopes:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._pack, self._unpack)
-            self._saved_hooks.__enter__()
+            # Saved-tensor hooks do not chain: only the innermost pair sees a
+            # save. Where someone else's pair is already active (activation
+            # checkpointing recomputing this forward in backward, which must
+            # see every save it saw the first time; `save_on_cpu` around the
+            # model), sharc leaves every save to it: a gathered parameter
+            # saved there lives as long as that pair keeps it: its buffer is
+            # handed over at release (Runtime::hand_over), quietly, as that
+            # pair's design and not a user's kept reference.
+            self._delegating_saves = _saved_tensor_hooks_active()
+            if not self._delegating_saves:
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                    self._pack, self._unpack)
+                self._saved_hooks.__enter__()
         self._scopes.append(_Scope())
 
     @torch.compiler.disable
@@ -222,8 +238,10 @@ class EagerSchedule:
         for ref in held:
             self._let_go(ref)
         if not self._scopes:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+            self._delegating_saves = False
+            if self._saved_hooks is not None:
+                self._saved_hooks.__exit__(None, None, None)
+                self._saved_hooks = None
             self._forward_prefetch.finish()
 
     @torch.compiler.disable
@@ -325,14 +343,22 @@ class EagerSchedule:
         for ref in unit.refs:
             self._let_go(ref)
 
+    def _renamed_base(self, ref: ShardedParamRef) -> None:
+        """The parameter got a fresh base buffer: key it by the new storage."""
+        self._by_storage = {k: r for k, r in self._by_storage.items() if r is not ref}
+        self._by_storage[ref.runtime.padded_base(ref.pid).untyped_storage()._cdata] = ref
+
     def _let_go(self, ref: ShardedParamRef) -> None:
         """Drops one hold. A buffer something outside still references when
         its last hold goes (a kept `module.weight`, a view, a numpy array) is
         handed to those references rather than freed under them."""
+        if self._delegating_saves:
+            if ref.runtime.hand_over(ref.pid):
+                self._renamed_base(ref)
+            return
         if not ref.runtime.release_or_hand_over(ref.pid):
             return
-        self._by_storage = {k: r for k, r in self._by_storage.items() if r is not ref}
-        self._by_storage[ref.runtime.padded_base(ref.pid).untyped_storage()._cdata] = ref
+        self._renamed_base(ref)
         if ref.pid not in self._warned_kept:
             self._warned_kept.add(ref.pid)
             warnings.warn(

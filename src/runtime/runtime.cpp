@@ -51,6 +51,17 @@ int64_t ShardedParam::full_bytes() const {
   return layout.padded_numel() * static_cast<int64_t>(base.element_size());
 }
 
+namespace {
+std::string in_place_write_error(const ShardedParam& p) {
+  return detail::concat(
+      "sharc: '", p.name, "' was changed in place inside forward (a write to the gathered "
+      "parameter, such as `self.weight.mul_(...)`); the change never reaches the shards and is "
+      "lost when the gathered value is released. Change parameters outside forward, on every "
+      "rank, inside `with sharc.unsharded(model, writeback=True):`, or compute with a changed "
+      "copy (`w = self.weight * s`)");
+}
+}  // namespace
+
 bool ShardedParam::take_in_place_write() {
   bool written = false;
   for (HandedOut& out : handed_out) {
@@ -129,6 +140,11 @@ ShardedParam& Runtime::param(int64_t id) {
 bool Runtime::needs_gather(const ShardedParam& p, c10::ScalarType dtype) const {
   const ParamState s = p.state.state();
   if (s == ParamState::Sharded || s == ParamState::Released) return true;
+  SHARC_CHECK(s != ParamState::Gathering || p.shard._version() == p.gathered_version,
+              "sharc: '", p.name, "' is read from a gather that started before its shard last "
+              "changed (an optimizer step or a write to the shard ran while the gather was in "
+              "flight), so it would hold the old values. This is a sharc bug (a prefetch left "
+              "in flight past the end of its pass): please report it");
   const bool other_dtype = p.base.scalar_type() != dtype;
   if (s == ParamState::Gathered && p.state.holds() == 0) return other_dtype || p.is_stale();
   SHARC_CHECK(!other_dtype, "sharc: '", p.name, "' is requested in ", dtype, " while it is ",
@@ -284,12 +300,23 @@ bool Runtime::release_or_hand_over(int64_t id) {
   // Checks per release, nothing on any operator's path.
   const bool written = p.take_in_place_write();
   const bool handed_over = p.state.release() && finish_release_locked(p);
-  SHARC_CHECK(!written, "sharc: '", p.name, "' was changed in place inside forward (a write "
-              "to the gathered parameter, such as `self.weight.mul_(...)`); the change never "
-              "reaches the shards and is lost when the gathered value is released. Change "
-              "parameters outside forward, on every rank, inside `with sharc.unsharded(model, "
-              "writeback=True):`, or compute with a changed copy (`w = self.weight * s`)");
+  SHARC_CHECK(!written, in_place_write_error(p));
   return handed_over;
+}
+
+bool Runtime::hand_over(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
+  ShardedParam& p = param(id);
+  const bool written = p.take_in_place_write();
+  const bool last = p.state.release();
+  if (last) {
+    accounting_.on_freed(p.full_bytes());
+    p.handed_out.clear();
+    p.renew_base();
+  }
+  SHARC_CHECK(!written, in_place_write_error(p));
+  return last;
 }
 
 bool Runtime::finish_release_locked(ShardedParam& p) {

@@ -29,6 +29,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("read_full", &sharc::Runtime::read_full)
       .def("release", &sharc::Runtime::release)
       .def("release_or_hand_over", &sharc::Runtime::release_or_hand_over)
+      .def("hand_over", &sharc::Runtime::hand_over)
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("is_persistent", &sharc::Runtime::is_persistent)

@@ -152,6 +152,13 @@ class Runtime : public torch::CustomClassHolder {
   /// Raises (after releasing) when a handed-out tensor was written in
   /// place: the write would be lost.
   bool release_or_hand_over(int64_t id);
+  /// As release_or_hand_over(), except that the last hold always hands the
+  /// buffer over to whatever still references its storage (freed with the
+  /// last reference, as any tensor's memory): for a forward whose saved
+  /// tensors another saved-tensor hook pair keeps (activation
+  /// checkpointing's recomputation keeps detached aliases, which
+  /// handed-out tracking cannot see). Returns whether this was the last hold.
+  bool hand_over(int64_t id);
   /// Blocking: sums the full gradient over the group, divides by the world
   /// size and returns this rank's flat shard of it.
   at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);

@@ -1,0 +1,138 @@
+"""Stock torch.nn building blocks that reach their parameters in their own
+ways, trained eager and compiled on 2 gloo ranks against one unsharded
+process (SGD, 3 steps; see scenario.py): recurrent layers (which cache
+their weights in `_flat_weights`), attention (`in_proj_weight` read by a
+functional), a transformer encoder, activation checkpointing both ways
+(recomputing a forward inside backward: a second set of gathers and saved
+tensors that must match the first), a parametrized weight (weight_norm's
+`original0`/`original1`), a convolution, a bilinear layer and an embedding
+with a padding index."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import scenario
+from dist_harness import run_ranks
+
+WIDTH = 8
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(WIDTH, WIDTH, batch_first=True)
+        self.gru = nn.GRU(WIDTH, WIDTH, num_layers=2, batch_first=True)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        return F.mse_loss(self.head(h[:, -1]).squeeze(-1), y)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        a, _ = self.attention(x, x, x)
+        return F.mse_loss(self.head(self.encoder(a).mean(1)).squeeze(-1), y)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def _inner(self, t):
+        return torch.tanh(self.b(torch.relu(self.a(t))))
+
+    def forward(self, x, y):
+        h = checkpoint(self._inner, x, use_reentrant=False)
+        # Reentrant checkpointing needs an input that requires grad.
+        h = checkpoint(lambda t: torch.relu(self.c(t)), h, use_reentrant=True)
+        return F.mse_loss(self.head(h.mean(1)).squeeze(-1), y)
+
+
+class Assorted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.normed = nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, WIDTH))
+        self.conv = nn.Conv1d(WIDTH, WIDTH, 3, padding=1)
+        self.embedding = nn.Embedding(10, WIDTH, padding_idx=0)
+        self.bilinear = nn.Bilinear(WIDTH, WIDTH, 1)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.normed(x))
+        h = F.gelu(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        tokens = (x[..., 0].abs() * 3).long().clamp(max=9)
+        e = self.embedding(tokens)
+        return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
+
+
+MODELS = {cls.__name__: cls for cls in (Recurrent, Attention, Checkpointed, Assorted)}
+
+
+def _make(name):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(2, 5, WIDTH, generator=g), torch.randn(2, generator=g)
+
+
+def _rank(rank, world, name, mode):
+    return scenario.run_sharded(rank, world, lambda: _make(name), batch, mode, 3)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_matches_single_process(name, mode):
+    reference = scenario.run_reference(lambda: _make(name), batch, 2, 3)
+    results = run_ranks(_rank, 2, name, mode, timeout=300)
+    scenario.assert_matches_reference(results, reference, 2, rtol=1e-4, atol=1e-5)
+
+
+def _counted_step(counts):
+    """A training step under the user's own saved-tensor hooks (as
+    `save_on_cpu` installs), counting what they are handed."""
+    def step(step_fn, inputs):
+        def pack(t):
+            counts.append(tuple(t.shape))
+            return t.clone()  # kept by the hooks' owner, as an offloader would
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step_fn(*inputs)
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def _rank_under_hooks(rank, world):
+    counts = []
+    out = scenario.run_sharded(rank, world, lambda: _make("Checkpointed"), batch, "eager", 3,
+                               train_step=_counted_step(counts))
+    out["counts"] = counts
+    return out
+
+
+def test_the_users_saved_tensor_hooks_see_every_save():
+    """Saved-tensor hooks do not chain: sharc's own pair, pushed inside the
+    user's, would hide every save from it. sharc leaves the saves to a pair
+    that was there first."""
+    counts = []
+    reference = scenario.run_reference(lambda: _make("Checkpointed"), batch, 2, 3,
+                                       train_step=_counted_step(counts))
+    results = run_ranks(_rank_under_hooks, 2, timeout=300)
+    scenario.assert_matches_reference(results, reference, 2, rtol=1e-4, atol=1e-5)
+    for r in results:
+        assert len(r["counts"]) == len(counts) > 0
