@@ -95,7 +95,12 @@ class GatherFunction : public torch::autograd::Function<GatherFunction<OpName>> 
       torch::autograd::variable_list grads) {
     const std::string group = ctx->saved_data["group"].toStringRef();
     const int64_t param = ctx->saved_data["param"].toInt();
-    at::Tensor shard_grad = call_reduce_scatter(grads[0], group, param);
+    // A sparse gradient (nn.Embedding(sparse=True)) is reduced dense: the
+    // shard and its optimizer state are dense.
+    const at::Tensor& grad = grads[0];
+    at::Tensor shard_grad =
+        call_reduce_scatter(grad.defined() && grad.is_sparse() ? grad.to_dense() : grad, group,
+                            param);
     return {shard_grad, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

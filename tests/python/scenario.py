@@ -66,8 +66,9 @@ def run_reference(make_model, batch, world, steps, train_step=None):
         parts = [batch(step, r, world) for r in range(world)]
         inputs = tuple(torch.cat(xs) for xs in zip(*parts))
         loss = train_step(model, inputs)
-        if out["grads"] is None:
-            out["grads"] = {n: None if p.grad is None else p.grad.clone()
+        if out["grads"] is None:  # sparse ones (sparse embeddings) compared dense
+            out["grads"] = {n: None if p.grad is None else
+                            p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
                             for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()

@@ -5,8 +5,8 @@ their weights in `_flat_weights`), attention (`in_proj_weight` read by a
 functional), a transformer encoder, activation checkpointing both ways
 (recomputing a forward inside backward: a second set of gathers and saved
 tensors that must match the first), a parametrized weight (weight_norm's
-`original0`/`original1`), a convolution, a bilinear layer and an embedding
-with a padding index."""
+`original0`/`original1`), a convolution, a bilinear layer, an embedding
+with a padding index and one with sparse gradients."""
 
 import pytest
 import torch
@@ -68,13 +68,14 @@ class Assorted(nn.Module):
         self.normed = nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, WIDTH))
         self.conv = nn.Conv1d(WIDTH, WIDTH, 3, padding=1)
         self.embedding = nn.Embedding(10, WIDTH, padding_idx=0)
+        self.sparse = nn.Embedding(10, WIDTH, sparse=True)  # reduced dense
         self.bilinear = nn.Bilinear(WIDTH, WIDTH, 1)
 
     def forward(self, x, y):
         h = torch.tanh(self.normed(x))
         h = F.gelu(self.conv(h.transpose(1, 2))).transpose(1, 2)
         tokens = (x[..., 0].abs() * 3).long().clamp(max=9)
-        e = self.embedding(tokens)
+        e = self.embedding(tokens) + self.sparse(tokens)
         return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
 
 

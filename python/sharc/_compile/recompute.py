@@ -17,6 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.utils.checkpoint import CheckpointPolicy
 
 from sharc._compile.escaping import copy_escaping_gathers
+from sharc._compile.sparse_gradients import densify_sparse_gradients
 from sharc._compile.ops import ALL_GATHER, is_call, is_view, param_key
 
 _COPIES = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
@@ -80,15 +81,18 @@ class RecomputeGathers(CustomGraphPass):
         prepare_joint_graph(graph, self.read_in_backward)
 
     def uuid(self):
-        from sharc._compile import escaping, ops
+        from sharc._compile import escaping, ops, sparse_gradients
 
-        return get_hash_for_files((__file__, escaping.__file__, ops.__file__))
+        return get_hash_for_files((__file__, escaping.__file__, ops.__file__,
+                                   sparse_gradients.__file__))
 
 
 def prepare_joint_graph(graph: fx.Graph, backward_reads: set[tuple[str, int]]) -> None:
-    """What sharc does to a joint graph before partitioning: records what
-    the backward reads, tags gathers for recompute, and returns copies of
-    gathered values that the caller gets back (escaping.py)."""
+    """What sharc does to a joint graph before partitioning: builds sparse
+    gradients dense (sparse_gradients.py), records what the backward reads,
+    tags gathers for recompute, and returns copies of gathered values that
+    the caller gets back (escaping.py)."""
+    densify_sparse_gradients(graph)
     backward_reads |= read_in_backward(graph)
     mark_gathers_for_recompute(graph)
     copy_escaping_gathers(graph)
