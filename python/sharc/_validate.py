@@ -38,9 +38,12 @@ def check_not_sharded(module: torch.nn.Module) -> None:
     for name, sub in module.named_modules():
         if state_of(sub) is not None:
             where = f"its submodule '{name}'" if name else "it"
+            nested = (" sharc gathers and releases per submodule by itself, so there is no "
+                      "per-layer wrapping as with FSDP: call sharc.shard() on the root "
+                      "module only.") if name else ""
             raise RuntimeError(
                 f"sharc.shard() was already called on this module ({where} is sharded); "
-                "shard a module once, before creating its optimizer")
+                f"shard a module once, before creating its optimizer.{nested}")
 
 
 def _backend_devices(group) -> set[str]:

@@ -190,6 +190,8 @@ def _shard_misuse(rank, world):
     lin = torch.nn.Linear(3, 3)
     attempt("first", lambda: sharc.shard(lin), RuntimeError)
     attempt("twice", lambda: sharc.shard(lin), RuntimeError)
+    attempt("nested", lambda: sharc.shard(torch.nn.Sequential(lin, torch.nn.ReLU())),
+            RuntimeError)  # FSDP habit: a layer first, then the root
     attempt("meta", lambda: sharc.shard(torch.nn.Linear(3, 3, device="meta")), RuntimeError)
     attempt("group", lambda: sharc.shard(torch.nn.Linear(3, 3), group="world"), TypeError)
     attempt("keep", lambda: sharc.shard(
@@ -214,6 +216,10 @@ def test_shard_misuse():
         assert errors["first"] is None
         assert errors["twice"][0] == "RuntimeError"
         assert "sharc.shard() was already called on this module" in errors["twice"][1]
+        assert "no per-layer wrapping" not in errors["twice"][1]
+        assert errors["nested"][0] == "RuntimeError"
+        assert "its submodule '0' is sharded" in errors["nested"][1]
+        assert "call sharc.shard() on the root module only" in errors["nested"][1]
         assert errors["meta"][0] == "RuntimeError"
         assert "parameter 'weight' is on device 'meta'" in errors["meta"][1]
         assert errors["group"] == (
