@@ -104,7 +104,7 @@ def test_selective_unsharding_saves_exactly_the_kept_parameters_backward_gathers
             assert without - with_keep == saved
 
 
-def _train(rank, world, options, eight_blocks, steps=5):
+def _train(rank, world, options, eight_blocks, steps=3):
     import sharc
 
     model = _eight_blocks() if eight_blocks else make_parity_model()
@@ -123,6 +123,12 @@ def _train(rank, world, options, eight_blocks, steps=5):
     return losses, sharc.full_state_dict(model)
 
 
+@functools.cache
+def _eager_training(eight_blocks: bool):
+    """The eager run every compiled choice is compared with, run once."""
+    return run_ranks(_train, 2, None, eight_blocks)
+
+
 @pytest.mark.parametrize("options, eight_blocks", [
     ({}, False),                                       # measured: kept parameters, auto buckets
     ({"memory_budget_bytes": 10**9}, False),           # room to keep everything
@@ -130,7 +136,7 @@ def _train(rank, world, options, eight_blocks, steps=5):
     ({"profile": False}, False),                       # unmeasured: nothing kept, 64 KiB buckets
 ], ids=["default", "keep-all", "tightest", "unprofiled"])
 def test_every_scheduling_choice_trains_like_eager(options, eight_blocks):
-    eager = run_ranks(_train, 2, None, eight_blocks)
+    eager = _eager_training(eight_blocks)
     compiled = run_ranks(_train, 2, options, eight_blocks, timeout=420)
     for (losses_c, state_c), (losses_e, state_e) in zip(compiled, eager):
         assert losses_c == pytest.approx(losses_e, rel=1e-5)
