@@ -219,10 +219,10 @@ class EagerSchedule:
             # save. Where someone else's pair is already active (activation
             # checkpointing recomputing this forward in backward, which must
             # see every save it saw the first time; `save_on_cpu` around the
-            # model), sharc leaves every save to it: a gathered parameter
-            # saved there lives as long as that pair keeps it: its buffer is
-            # handed over at release (Runtime::hand_over), quietly, as that
-            # pair's design and not a user's kept reference.
+            # model), sharc leaves every save to it. A gathered parameter
+            # saved there lives as long as that pair keeps it, so its buffer
+            # is handed over at release (Runtime::hand_over), quietly: that
+            # is the pair's design, not a user's kept reference.
             self._delegating_saves = _saved_tensor_hooks_active()
             if not self._delegating_saves:
                 self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
@@ -343,7 +343,7 @@ class EagerSchedule:
         for ref in unit.refs:
             self._let_go(ref)
 
-    def _renamed_base(self, ref: ShardedParamRef) -> None:
+    def _rekey_base(self, ref: ShardedParamRef) -> None:
         """The parameter got a fresh base buffer: key it by the new storage."""
         self._by_storage = {k: r for k, r in self._by_storage.items() if r is not ref}
         self._by_storage[ref.runtime.padded_base(ref.pid).untyped_storage()._cdata] = ref
@@ -354,11 +354,11 @@ class EagerSchedule:
         handed to those references rather than freed under them."""
         if self._delegating_saves:
             if ref.runtime.hand_over(ref.pid):
-                self._renamed_base(ref)
+                self._rekey_base(ref)
             return
         if not ref.runtime.release_or_hand_over(ref.pid):
             return
-        self._renamed_base(ref)
+        self._rekey_base(ref)
         if ref.pid not in self._warned_kept:
             self._warned_kept.add(ref.pid)
             warnings.warn(
