@@ -41,11 +41,17 @@ int64_t kept_bytes(const Graph& graph) {
 }
 
 GatheredPeak peak_gathered(const Graph& graph) {
+  std::vector<size_t> order(graph.nodes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  return peak_gathered(graph, order);
+}
+
+GatheredPeak peak_gathered(const Graph& graph, const std::vector<size_t>& order) {
   int64_t live = kept_bytes(graph);
   GatheredPeak peak{live, 0};
   std::map<std::string, int64_t> staging;  // gather value -> its staging bytes
-  for (size_t i = 0; i < graph.nodes.size(); ++i) {
-    const Node& n = graph.nodes[i];
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Node& n = graph.nodes.at(order[i]);
     if (n.kind == NodeKind::Gather) {
       const GatherBytes b = gather_bytes(graph, n);
       live += b.buffers + b.staging;

@@ -27,8 +27,12 @@ PassManager make_pipeline(const PipelineOptions& options) {
   // checked, and parameters kept within it, on those dtypes' bytes, before
   // insertion serves the direct reads they look at; bucketing needs
   // each gather still next to its wait, which prefetching undoes, so it runs
-  // before prefetching. Waits on reductions are placed once every reduction
-  // is in, since each goes right after the next one starts.
+  // before prefetching. Prefetching by cost comes once every reduction is
+  // in: it must see every collective, whose order it keeps (one bucket
+  // ahead, the order prefetch_gathers and insert_reduce_scatter fix, is the
+  // same on every rank; the compute costs it reads are not). Waits on
+  // reductions are placed once every reduction is in, since each goes
+  // right after the next one starts.
   manager.add(make_regather_in_backward())
       .add(make_cast_before_gather())
       .add(make_check_memory_budget(budget))
@@ -40,6 +44,7 @@ PassManager make_pipeline(const PipelineOptions& options) {
       .add(make_bucket_allgathers(bucket_cap, budget))
       .add(make_prefetch_gathers(budget))
       .add(make_insert_reduce_scatter(options.reduce_bucket_bytes))
+      .add(make_prefetch_by_cost({options.gather_cost, options.reduce_cost}, budget))
       .add(make_place_reduce_waits())
       .add(make_annotate_collective_costs(options.gather_cost, options.reduce_cost));
   for (const std::string& name : options.disabled_passes) manager.disable(name);

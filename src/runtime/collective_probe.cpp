@@ -10,9 +10,11 @@ namespace sharc {
 namespace {
 
 // Full bytes of the collectives timed: a small, a medium and a large one,
-// enough to separate latency from bandwidth.
-constexpr int64_t kSizes[] = {16 << 10, 256 << 10, 2 << 20};
-constexpr int kRepeats = 3;
+// enough to separate latency from bandwidth. The median of 7 runs each: on
+// a busy CPU single runs stall for milliseconds now and then, and with 3
+// runs the fitted latency of one group came out ten times another's.
+constexpr int64_t kSizes[] = {16 << 10, 256 << 10, 4 << 20};
+constexpr int kRepeats = 7;
 
 // Blocks until the work is done, on the host and (for a device) its stream.
 void finish(c10d::Work& work, const at::Tensor& out) {

@@ -132,7 +132,7 @@ TEST(PassManager, ReductionsNobodyWaitsOnFailAtTheEnd) {
   PassManager without_reductions = default_pipeline();
   without_reductions.disable("insert_reduce_scatter");
   EXPECT_EQ(refusal(without_reductions),
-            "sharc: pass 'place_reduce_waits' requires 'gradients reduced', which no earlier "
+            "sharc: pass 'prefetch_by_cost' requires 'gradients reduced', which no earlier "
             "pass established; enable 'insert_reduce_scatter'");
 }
 
@@ -199,7 +199,8 @@ TEST(PassManager, PipelineNamesItsPassesInOrder) {
                                       "check_memory_budget", "keep_gathered_params",
                                       "insert_gather_release", "bucket_allgathers",
                                       "prefetch_gathers", "insert_reduce_scatter",
-                                      "place_reduce_waits", "annotate_collective_costs"}));
+                                      "prefetch_by_cost", "place_reduce_waits",
+                                      "annotate_collective_costs"}));
   PipelineOptions options;
   options.disabled_passes = {"prefetch_gathers"};
   Graph g = parse(kBackwardFromBridge);

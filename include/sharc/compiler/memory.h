@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sharc/compiler/ir.h"
 
@@ -26,6 +27,11 @@ struct GatheredPeak {
 
 /// The peak of gathered bytes over `graph`'s schedule (see above).
 GatheredPeak peak_gathered(const Graph& graph);
+
+/// The same, were the nodes run in `order` (indices into graph.nodes, each
+/// once): what a pass weighing a move asks, without building the moved
+/// graph. The peak's `node` is a position in `order`.
+GatheredPeak peak_gathered(const Graph& graph, const std::vector<size_t>& order);
 
 /// Bytes of the graph's `kept` parameters (resident throughout).
 int64_t kept_bytes(const Graph& graph);

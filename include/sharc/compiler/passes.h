@@ -10,6 +10,7 @@
 
 #include "sharc/compiler/memory.h"
 #include "sharc/compiler/pass.h"
+#include "sharc/compiler/timeline.h"
 #include "sharc/core/collective_cost.h"
 
 namespace sharc::ir {
@@ -85,6 +86,22 @@ std::unique_ptr<Pass> make_bucket_allgathers(int64_t bucket_bytes,
 /// a budget, only the moves that keep the schedule within it.
 /// Requires: gathers inserted. Undoes: each wait right after its gather.
 std::unique_ptr<Pass> make_prefetch_gathers(std::optional<int64_t> budget_bytes = {});
+
+/// Moves each gather (in program order) up to where the predicted run
+/// (timeline.h: measured compute costs, the group's collective costs) says
+/// it must be issued to be done by its wait (or, while the channel is busy
+/// with earlier collectives, to where the channel frees), so a gather may
+/// run several compute-heavy stretches ahead of its use. Never above
+/// another collective: compute costs are this rank's own, so they place
+/// collectives among compute nodes only, while the order of the collectives
+/// (which every rank must issue alike) stays as the passes before fixed it
+/// from numbers every rank shares. Never above a release of one of its
+/// parameters; with a budget, only as far as the schedule stays within it.
+/// Without a gather cost or any compute cost it moves nothing.
+/// Requires: gathers inserted; gradients reduced (so it sees every
+/// collective). Undoes: each wait right after its gather.
+std::unique_ptr<Pass> make_prefetch_by_cost(CollectiveCostModel costs,
+                                            std::optional<int64_t> budget_bytes = {});
 
 /// One reduce_scatter per gradient, consecutive gradients bucketed up to
 /// `bucket_bytes` (a larger gradient goes alone); each bucket is placed right

@@ -40,7 +40,10 @@ class Communicator {
   /// Non-blocking. Sums `in` (world_size * out.numel() elements) over the
   /// group and leaves this rank's slice in `out`; `in` may be overwritten.
   /// SUM, never AVG: some gloo releases silently treat AVG as SUM, so the
-  /// caller divides.
+  /// caller divides. CPU tensors go through an all-to-all and a sum that
+  /// the returned Work's wait() performs on the waiting thread (see [Note:
+  /// reduce-scatter on CPU] in communicator.cpp); device tensors through the
+  /// backend's reduce-scatter.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in);
 
   /// Non-blocking. Element-wise maximum of `t` over the group, in place.
