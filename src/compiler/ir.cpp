@@ -17,6 +17,7 @@ const char* to_string(NodeKind kind) {
     case NodeKind::Release: return "release";
     case NodeKind::ReduceScatter: return "reduce_scatter";
     case NodeKind::WaitReduce: return "wait_reduce";
+    case NodeKind::PrefetchNext: return "prefetch_next";
     case NodeKind::Output: return "output";
   }
   return "unknown";
@@ -99,7 +100,7 @@ int64_t param_id(const std::string& token, int lineno) {
 NodeKind kind_of(const std::string& word, int lineno) {
   for (NodeKind k : {NodeKind::Input, NodeKind::Compute, NodeKind::Gather, NodeKind::Wait,
                      NodeKind::Release, NodeKind::ReduceScatter, NodeKind::WaitReduce,
-                     NodeKind::Output}) {
+                     NodeKind::PrefetchNext, NodeKind::Output}) {
     if (word == to_string(k)) return k;
   }
   throw Error(detail::concat("sharc ir line ", lineno, ": unknown node kind '", word, "'"));
@@ -152,7 +153,8 @@ void parse_argument(Node& node, const std::string& tok, int lineno) {
     }
   } else if (tok[0] == '"' && node.kind == NodeKind::Compute) {
     node.op = tok.substr(1, tok.size() - 2);
-  } else if (tok == "after" && node.kind == NodeKind::Release) {
+  } else if (tok == "after" &&
+             (node.kind == NodeKind::Release || node.kind == NodeKind::PrefetchNext)) {
     // operands that follow are the release's data dependences
   } else {
     throw Error(detail::concat("sharc ir line ", lineno, ": unexpected '", tok, "'"));
@@ -264,7 +266,8 @@ void print_node(std::ostream& out, const Node& n) {
     for (int64_t p : n.params) out << " @" << p;
   }
   if (n.kind == NodeKind::Compute) out << " \"" << n.op << "\"";
-  if (n.kind == NodeKind::Release && !n.operands.empty()) out << " after";
+  const bool orders = n.kind == NodeKind::Release || n.kind == NodeKind::PrefetchNext;
+  if (orders && !n.operands.empty()) out << " after";
   for (const Operand& o : n.operands) {
     if (o.is_param()) {
       out << " @" << *o.param;

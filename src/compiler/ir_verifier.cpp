@@ -74,6 +74,9 @@ class Verifier {
       case NodeKind::Release: visit_release(index, n); break;
       case NodeKind::ReduceScatter: visit_reduce(index, n); break;
       case NodeKind::WaitReduce: visit_wait_reduce(index, n); break;
+      case NodeKind::PrefetchNext:  // its parameters name the graph; no use
+        for (const Operand& o : n.operands) use(index, o);
+        break;
       case NodeKind::Compute:
       case NodeKind::Output:
         for (const Operand& o : n.operands) use(index, o);

@@ -46,6 +46,7 @@ PassManager make_pipeline(const PipelineOptions& options) {
       .add(make_insert_reduce_scatter(options.reduce_bucket_bytes))
       .add(make_prefetch_by_cost({options.gather_cost, options.reduce_cost}, budget))
       .add(make_place_reduce_waits())
+      .add(make_mark_graph_prefetch(budget))
       .add(make_annotate_collective_costs(options.gather_cost, options.reduce_cost));
   for (const std::string& name : options.disabled_passes) manager.disable(name);
   return manager;

@@ -45,6 +45,8 @@ void MemoryAccounting::on_gather_wait(int64_t ns) { stats_.gather_wait_ns += ns;
 
 void MemoryAccounting::on_reduce_wait(int64_t ns) { stats_.reduce_wait_ns += ns; }
 
+void MemoryAccounting::on_graph_prefetch() { ++stats_.graph_prefetch_calls; }
+
 void MemoryAccounting::reset() {
   stats_.gather_wait_ns = 0;
   stats_.reduce_wait_ns = 0;
@@ -52,6 +54,7 @@ void MemoryAccounting::reset() {
   stats_.reduce_scatter_bytes = 0;
   stats_.allgather_calls = 0;
   stats_.reduce_scatter_calls = 0;
+  stats_.graph_prefetch_calls = 0;
   stats_.peak_gathered_bytes = stats_.gathered_bytes;
 }
 

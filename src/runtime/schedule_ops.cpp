@@ -1,10 +1,12 @@
 // torch.ops.sharc.* operators that sharc's compile backend places in FX graphs
 // as its passes decide (the eager path never uses them):
 //
-//   start_gather(shards, group, params, dtype) -> token
+//   start_gather(shards, group, params, dtype, graph_kind) -> token
 //       Non-blocking all-gather of `params` in `dtype` (one collective for a
 //       bucket; the shards are cast first when `dtype` is smaller). The
 //       shards are inputs only so that compilers see the dependence.
+//       `graph_kind` (0 forward, 1 backward) notes the gather in the order
+//       of compiled graphs (cross-graph prefetch); -1 does not.
 //   wait_gather(token, group, params, dtype) -> fulls
 //       Blocks until gathered, takes one hold per parameter and returns the
 //       true-shape full tensors in `dtype`, aliases of the runtime's buffers.
@@ -19,9 +21,15 @@
 //   wait_reduce_scatter(token, group, params) -> shard grads
 //       Waits for the reduction of `token`; each parameter's flat shard
 //       gradient, averaged. A token waited on already is an error.
+//   prefetch_next_graph(shards, after, group, graph_kind, key, budget) -> ()
+//       The graph's prefetch point: starts the first gather of the graph
+//       that followed this one last time, within `budget` bytes gathered
+//       (Runtime::prefetch_next_graph). `key` names this graph (its last
+//       gather's parameters, whose `shards` give the op its device);
+//       `after` orders it after those values.
 //
-// Each op calls the Runtime method of its name. start_gather, release and
-// start_reduce_scatter are registered as side-effecting in Python
+// Each op calls the Runtime method of its name. start_gather, release,
+// start_reduce_scatter and prefetch_next_graph are registered as side-effecting in Python
 // (sharc/_compile/ops.py) so neither FX nor Inductor drops them.
 
 #include <ATen/ATen.h>
@@ -34,17 +42,23 @@ namespace sharc {
 namespace {
 
 at::Tensor start_gather_kernel(at::TensorList shards, const std::string& group,
-                               c10::IntArrayRef params, c10::ScalarType dtype) {
+                               c10::IntArrayRef params, c10::ScalarType dtype,
+                               int64_t graph_kind) {
   auto runtime = RuntimeTable::instance().get(group);
   SHARC_CHECK(shards.size() == params.size() && !params.empty(), "sharc: start_gather got ",
               shards.size(), " shards for ", params.size(), " parameters");
   for (size_t i = 0; i < params.size(); ++i) runtime->check_shard(params[i], shards[i]);
-  runtime->start_gather(params.vec(), dtype);
+  if (graph_kind >= 0) {
+    runtime->start_graph_gather(graph_kind, params.vec(), dtype);
+  } else {
+    runtime->start_gather(params.vec(), dtype);
+  }
   return at::empty({0}, shards[0].options());
 }
 
 at::Tensor start_gather_meta(at::TensorList shards, const std::string& group,
-                             c10::IntArrayRef params, c10::ScalarType dtype) {
+                             c10::IntArrayRef params, c10::ScalarType dtype,
+                             int64_t graph_kind) {
   return at::empty({0}, shards[0].options().device(c10::kMeta));
 }
 
@@ -112,15 +126,28 @@ std::vector<at::Tensor> wait_reduce_scatter_meta(const at::Tensor& token,
   return shards;
 }
 
+void prefetch_next_graph_kernel(at::TensorList shards, at::TensorList after,
+                                const std::string& group, int64_t graph_kind,
+                                c10::IntArrayRef key, int64_t budget) {
+  RuntimeTable::instance().get(group)->prefetch_next_graph(graph_kind, key.vec(), budget);
+}
+
+void prefetch_next_graph_meta(at::TensorList shards, at::TensorList after,
+                              const std::string& group, int64_t graph_kind,
+                              c10::IntArrayRef key, int64_t budget) {}
+
 }  // namespace
 }  // namespace sharc
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
-  m.def("start_gather(Tensor[] shards, str group, int[] params, ScalarType dtype) -> Tensor");
+  m.def("start_gather(Tensor[] shards, str group, int[] params, ScalarType dtype, "
+        "int graph_kind=-1) -> Tensor");
   m.def("wait_gather(Tensor token, str group, int[] params, ScalarType dtype) -> Tensor[]");
   m.def("release(Tensor full, Tensor[] after, str group, int param) -> ()");
   m.def("start_reduce_scatter(Tensor[] grads, str group, int[] params) -> Tensor");
   m.def("wait_reduce_scatter(Tensor token, str group, int[] params) -> Tensor[]");
+  m.def("prefetch_next_graph(Tensor[] shards, Tensor[] after, str group, int graph_kind, "
+        "int[] key, int budget) -> ()");
 }
 
 #define SHARC_SCHEDULE_KERNELS(suffix)                                      \
@@ -128,7 +155,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.impl("wait_gather", sharc::wait_gather_##suffix);                      \
   m.impl("release", sharc::release_##suffix);                              \
   m.impl("start_reduce_scatter", sharc::start_reduce_scatter_##suffix);   \
-  m.impl("wait_reduce_scatter", sharc::wait_reduce_scatter_##suffix);
+  m.impl("wait_reduce_scatter", sharc::wait_reduce_scatter_##suffix);      \
+  m.impl("prefetch_next_graph", sharc::prefetch_next_graph_##suffix);
 
 TORCH_LIBRARY_IMPL(sharc, CPU, m) { SHARC_SCHEDULE_KERNELS(kernel) }
 TORCH_LIBRARY_IMPL(sharc, CUDA, m) { SHARC_SCHEDULE_KERNELS(kernel) }

@@ -9,7 +9,8 @@
 //         nodes: [(kind, outputs, operands, params)],
 //         passes: [(pass, rewrites, skipped)],
 //         trace: [(pass, "before" | "after", IR text)],
-//         params: [(id, dtype it is gathered in ("" if unknown), kept)])
+//         params: [(id, dtype it is gathered in ("" if unknown), kept)],
+//         budget: the memory budget the schedule was held to (-1: none))
 //   with every list a list (value names without '%', parameter ids as ints).
 //   gather_bucket_bytes and memory_budget_bytes take -1 for "unset" (chosen
 //   by the scheduler; no cap); collective_costs is [] (not measured) or the
@@ -70,7 +71,7 @@ using NodeTuple = std::tuple<std::string, std::vector<std::string>, std::vector<
 using PassTuple = std::tuple<std::string, int64_t, bool>;
 using ParamTuple = std::tuple<int64_t, std::string, bool>;
 using Scheduled = std::tuple<std::string, std::vector<NodeTuple>, std::vector<PassTuple>,
-                             std::vector<Step>, std::vector<ParamTuple>>;
+                             std::vector<Step>, std::vector<ParamTuple>, int64_t>;
 
 // (kind, outputs, operands, params). A scheduled graph reads no parameter
 // directly (the final rules forbid it), so every operand is a value name.
@@ -140,7 +141,8 @@ Scheduled schedule_nodes(std::string ir_text, int64_t gather_bucket_bytes,
   for (const auto& [id, p] : run.graph.params) {
     params.emplace_back(id, p.dtype.value_or(""), p.kept);
   }
-  return {ir::print(run.graph), nodes, passes, run.steps, params};
+  return {ir::print(run.graph), nodes, passes, run.steps, params,
+          options.memory_budget_bytes.value_or(-1)};
 }
 
 int64_t peak_gathered_bytes(std::string ir_text) {
@@ -156,7 +158,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   const sharc::ir::PipelineOptions defaults;
   m.class_<sharc::Scheduler>("Scheduler")
       .def_static("schedule_nodes", &sharc::schedule_nodes,
-                  "Runs the pass pipeline; returns (IR text, nodes, passes, trace, params)",
+                  "Runs the pass pipeline; returns (IR text, nodes, passes, trace, params, budget)",
                   {torch::arg("ir_text"),
                    torch::arg("gather_bucket_bytes") = -1,
                    torch::arg("reduce_bucket_bytes") = defaults.reduce_bucket_bytes,

@@ -396,9 +396,11 @@ release @0 after %h
 %y = compute "mm" %h %sharc_full_1 bytes=1024
 release @1 after %y
 %sharc_full_2 = wait %sharc_gather_2
+prefetch_next @2 after %y bytes=-1
 %n = compute "prims.convert_element_type.default" %sharc_full_2 bytes=32 cast=bfloat16
 %z = compute "mul" %y %n %sharc_full_2 bytes=1024
 release @2 after %z
+prefetch_next @2 after %z bytes=-1
 output %z
 )"));
   EXPECT_EQ(g.value_bytes("sharc_full_0"), 32768);

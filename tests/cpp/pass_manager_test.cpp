@@ -70,6 +70,7 @@ TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
   EXPECT_EQ(record(records, "prefetch_gathers").rewrites, 0);  // one gather: nothing to move
   EXPECT_EQ(record(records, "insert_reduce_scatter").rewrites, 1);  // one bucket for both
   EXPECT_EQ(record(records, "place_reduce_waits").rewrites, 1);     // its one wait
+  EXPECT_EQ(record(records, "mark_graph_prefetch").rewrites, 2);    // after wait, release
   EXPECT_EQ(record(records, "annotate_collective_costs").rewrites, 0);  // nothing measured
   EXPECT_TRUE(verify(g).empty());
   EXPECT_EQ(print(g),
@@ -79,8 +80,10 @@ TEST(PassManager, RunsThePipelineAndVerifiesTheResult) {
             "%dy = input bytes=16\n"
             "%sharc_gather_0 = gather @0\n"
             "%sharc_full_0 = wait %sharc_gather_0\n"
+            "prefetch_next @0 bytes=-1\n"
             "%dx = compute \"mm\" %dy %sharc_full_0 bytes=16\n"
             "release @0 after %dx\n"
+            "prefetch_next @0 after %dx bytes=-1\n"
             "%dw = compute \"mm\" %dy %x bytes=64 grad=@0\n"
             "%db = compute \"sum\" %dy bytes=8 grad=@1\n"
             "%sharc_reduce_0 = reduce_scatter @0 @1 %dw %db\n"
@@ -105,8 +108,10 @@ TEST(PassManager, ReductionsAreWaitedOnOneBucketBehind) {
             "%dy = input bytes=16\n"
             "%sharc_gather_0 = gather @0\n"
             "%sharc_full_0 = wait %sharc_gather_0\n"
+            "prefetch_next @0 bytes=-1\n"
             "%dx = compute \"mm\" %dy %sharc_full_0 bytes=16\n"
             "release @0 after %dx\n"
+            "prefetch_next @0 after %dx bytes=-1\n"
             "%dw = compute \"mm\" %dy %x bytes=64 grad=@0\n"
             "%sharc_reduce_0 = reduce_scatter @0 %dw\n"
             "%db = compute \"sum\" %dy bytes=8 grad=@1\n"
@@ -200,7 +205,7 @@ TEST(PassManager, PipelineNamesItsPassesInOrder) {
                                       "insert_gather_release", "bucket_allgathers",
                                       "prefetch_gathers", "insert_reduce_scatter",
                                       "prefetch_by_cost", "place_reduce_waits",
-                                      "annotate_collective_costs"}));
+                                      "mark_graph_prefetch", "annotate_collective_costs"}));
   PipelineOptions options;
   options.disabled_passes = {"prefetch_gathers"};
   Graph g = parse(kBackwardFromBridge);

@@ -22,12 +22,16 @@ output %z
 
 
 def test_structured_nodes_and_pass_records():
-    text, nodes, passes, trace, params = Scheduler.schedule_nodes(IR)
+    text, nodes, passes, trace, params, budget = Scheduler.schedule_nodes(IR)
     assert "%sharc_reduce_0 = reduce_scatter @0 %dw" in text
     assert nodes[1] == ("gather", ["sharc_gather_0"], [], [0, 1])
     assert nodes[2] == ("wait", ["sharc_full_0", "sharc_full_1"], ["sharc_gather_0"], [])
-    assert nodes[3] == ("compute", ["y"], ["x", "sharc_full_0"], [])
-    assert nodes[4] == ("release", [], ["y"], [0])
+    # Cross-graph prefetch may start the next graph's gather once this one's
+    # last wait is done (the graph is named by its last gather's parameters).
+    assert nodes[3] == ("prefetch_next", [], [], [0, 1])
+    assert nodes[4] == ("compute", ["y"], ["x", "sharc_full_0"], [])
+    assert nodes[5] == ("release", [], ["y"], [0])
+    assert ("prefetch_next", [], ["z"], [0, 1]) in nodes  # and after the last release
     # The reduction, its wait right before the output, which returns the shard gradient.
     assert nodes[-3:] == [("reduce_scatter", ["sharc_reduce_0"], ["dw"], [0]),
                           ("wait_reduce", ["sharc_shard_grad_0"], ["sharc_reduce_0"], []),
@@ -39,13 +43,15 @@ def test_structured_nodes_and_pass_records():
     assert by_name["insert_gather_release"] == (2, False)
     assert by_name["insert_reduce_scatter"] == (1, False)
     assert by_name["place_reduce_waits"] == (1, False)
+    assert by_name["mark_graph_prefetch"] == (2, False)
     assert by_name["keep_gathered_params"] == (0, False)  # no budget, no measured cost
     assert trace == []
     assert params == [(0, "", False), (1, "", False)]
+    assert budget == -1  # none given
 
 
 def test_named_options_and_trace():
-    _, nodes, passes, trace, _ = Scheduler.schedule_nodes(
+    _, nodes, passes, trace, _, _ = Scheduler.schedule_nodes(
         ir_text=IR, gather_bucket_bytes=0, reduce_bucket_bytes=1,
         disabled_passes=["prefetch_gathers"], trace=True)
     assert sum(kind == "gather" for kind, *_ in nodes) == 2
@@ -67,10 +73,11 @@ def test_defaults_are_compile_configs():
 
 def test_budget_costs_and_keeping_through_the_binding():
     costs = [100.0, 0.01, 200.0, 0.01]
-    text, _, passes, _, params = Scheduler.schedule_nodes(
+    text, _, passes, _, params, budget = Scheduler.schedule_nodes(
         IR, memory_budget_bytes=10**6, collective_costs=costs, keep_for_backward=True,
         keep_candidates=[0, 1])
     assert any(kept for _, _, kept in params)
+    assert budget == 10**6
     assert Scheduler.peak_gathered_bytes(text) <= 10**6
     assert " cost=" in text
     with pytest.raises(RuntimeError, match="is below the smallest budget"):

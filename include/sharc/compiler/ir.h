@@ -19,6 +19,8 @@
 //   release @0 after %y                            free after the last use
 //   %r = reduce_scatter @0 @1 %dw0 %dw1            gradient reduction in flight (bucket)
 //   %s0, %s1 = wait_reduce %r                      shard gradients of @0 and @1
+//   prefetch_next @0 @1 after %y bytes=8192        the next graph's first gather
+//                                                  may start here (see below)
 //   output %y %s0 %s1
 //
 // A compute node may also read a parameter directly (`@0` as an operand):
@@ -29,6 +31,12 @@
 // they leave the graph through the output, which reads them. The IR does not
 // model a shard's size (it depends on the world size), so a token and a shard
 // gradient have 0 bytes.
+//
+// A prefetch_next marks where the next compiled graph's first gather may
+// start (cross-graph prefetch, sharc/core/graph_sequence.h). Its parameters
+// name this graph (they are its last gather's), not uses; its `bytes` is the
+// memory budget the runtime holds that gather to (-1: none); `after` orders
+// it after those values.
 //
 // A parameter's `bytes` and `dtype` are those of its gathered (full) value;
 // after its name they come in any order, and `dtype=` may be left out (the
@@ -47,7 +55,9 @@
 
 namespace sharc::ir {
 
-enum class NodeKind { Input, Compute, Gather, Wait, Release, ReduceScatter, WaitReduce, Output };
+enum class NodeKind {
+  Input, Compute, Gather, Wait, Release, ReduceScatter, WaitReduce, PrefetchNext, Output
+};
 
 const char* to_string(NodeKind kind);
 

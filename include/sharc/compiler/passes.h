@@ -120,6 +120,16 @@ std::unique_ptr<Pass> make_insert_reduce_scatter(int64_t bucket_bytes);
 /// Requires: gradients reduced. Establishes: reductions waited.
 std::unique_ptr<Pass> make_place_reduce_waits();
 
+/// Cross-graph prefetch: marks, with `prefetch_next` nodes, where the
+/// runtime may start the next compiled graph's first gather: right after
+/// the last wait (the tail computation then hides it) and right after the
+/// last release (when the graph holds least), each naming the graph by its
+/// last gather's parameters and carrying `budget_bytes` (-1 without one),
+/// which the runtime holds that gather to. A graph without a gather gets
+/// none. Returns the marks placed.
+/// Requires: gathers inserted.
+std::unique_ptr<Pass> make_mark_graph_prefetch(std::optional<int64_t> budget_bytes = {});
+
 /// Sets each gather's and reduce_scatter's `cost=` to its collective's
 /// predicted time (microseconds, from the measured costs; none unmeasured),
 /// so a dumped schedule shows them. Returns the nodes annotated.

@@ -48,7 +48,7 @@ int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cos
 /// cast_before_gather, check_memory_budget, keep_gathered_params,
 /// insert_gather_release, bucket_allgathers, prefetch_gathers,
 /// insert_reduce_scatter, prefetch_by_cost, place_reduce_waits,
-/// annotate_collective_costs.
+/// mark_graph_prefetch, annotate_collective_costs.
 /// Its input rules are what the
 /// bridge's graphs satisfy (structural only); its final rules are a
 /// complete schedule's, within the memory budget when one is set.

@@ -27,6 +27,9 @@ struct MemoryStats {
   /// wait only orders streams, so this measures host blocking only.)
   int64_t gather_wait_ns = 0;
   int64_t reduce_wait_ns = 0;
+  /// Gathers started at the end of a compiled graph for the next one
+  /// (cross-graph prefetch) since reset.
+  int64_t graph_prefetch_calls = 0;
 };
 
 class MemoryAccounting {
@@ -41,6 +44,7 @@ class MemoryAccounting {
   void on_unreduced(int64_t bytes);
   void on_gather_wait(int64_t ns);
   void on_reduce_wait(int64_t ns);
+  void on_graph_prefetch();
   /// Zeroes the communication counters and sets the peak to the current level.
   void reset();
 

@@ -19,6 +19,7 @@
 #include <torch/custom_class.h>
 
 #include "sharc/core/accounting.h"
+#include "sharc/core/graph_sequence.h"
 #include "sharc/runtime/collective_probe.h"
 #include "sharc/runtime/communicator.h"
 #include "sharc/core/layout.h"
@@ -103,6 +104,9 @@ struct ShardedParam {
   void retype_base(c10::ScalarType dtype);
 };
 
+/// The kinds of compiled graphs, as sharc/_compile/ops.py numbers them.
+enum GraphKind : int64_t { kForwardGraph = 0, kBackwardGraph = 1 };
+
 class Runtime : public torch::CustomClassHolder {
  public:
   explicit Runtime(const std::string& group_name);
@@ -127,6 +131,28 @@ class Runtime : public torch::CustomClassHolder {
   /// Others are gathered or in flight already and are skipped.
   void start_gather(const std::vector<int64_t>& ids,
                     std::optional<c10::ScalarType> dtype = std::nullopt);
+  /// A compiled graph's start_gather: as start_gather(), and noted in the
+  /// order of compiled graphs (see [Note: cross-graph prefetch] in
+  /// sharc/core/graph_sequence.h): the first gather after a graph of the
+  /// same kind ended is recorded as that graph's follower, and a bucket
+  /// gathered ahead that this gather shows will not be taken is given up
+  /// (freed, waiting for its collective first) before it starts.
+  /// `graph_kind`: kForwardGraph (or inference) or kBackwardGraph. A
+  /// backward graph's gather also queues, once per backward pass, a call
+  /// at the pass's end that gives up what was gathered ahead and not taken.
+  void start_graph_gather(int64_t graph_kind, const std::vector<int64_t>& ids,
+                          c10::ScalarType dtype);
+  /// A compiled graph reached a point where the next graph's first gather
+  /// may start (its prefetch point; `key` names the graph): starts the
+  /// gather recorded after this graph's end last time, if the bytes then
+  /// gathered stay within `budget_bytes` (the graph's memory budget);
+  /// gives up a bucket gathered ahead for a graph that did not come.
+  /// Non-blocking; issues at most one collective per dtype.
+  void prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>& key,
+                           int64_t budget_bytes);
+  /// The autograd engine's call at the end of a backward pass that ran a
+  /// compiled backward graph (see start_graph_gather).
+  void end_backward_pass();
   /// Blocks until every one of `ids` is gathered, takes one hold on each and
   /// returns their true-shape full views (the compiled path's wait).
   std::vector<at::Tensor> wait_gather(const std::vector<int64_t>& ids);
@@ -272,6 +298,15 @@ class Runtime : public torch::CustomClassHolder {
   /// Gives `p` a buffer of `dtype` bytes (or keeps its persistent one) and
   /// moves it to Gathering.
   void claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype);
+  /// start_gather() with the lock held.
+  void start_gathers_locked(const std::vector<int64_t>& ids,
+                            std::optional<c10::ScalarType> dtype);
+  /// Gives up the bucket gathered ahead if a shard of it changed since.
+  void give_up_changed_ahead_locked();
+  /// Queues end_backward_pass() with the autograd engine, once a pass.
+  void queue_end_of_backward_locked();
+  /// drop_unheld() with the lock held.
+  std::vector<int64_t> drop_unheld_locked(const std::vector<int64_t>& ids);
   /// One collective for `ids`, all needing a gather, in `dtype`.
   void start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype);
   void finish_gather_locked(GatherInFlight& gather);
@@ -302,6 +337,8 @@ class Runtime : public torch::CustomClassHolder {
   std::map<const void*, int64_t> token_tensors_;  ///< token_tensor() addresses
   bool gradient_sync_ = true;
   bool verify_schedule_ = false;
+  GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
+  bool end_of_backward_queued_ = false;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
   std::mutex costs_mutex_;  ///< guards costs_ (mutex_ is not held while measuring)
   std::mutex mutex_;  // autograd may run backward on a worker thread

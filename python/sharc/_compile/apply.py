@@ -4,8 +4,9 @@ Walks the scheduled nodes in order and builds a new graph: compute nodes are
 copied from the original, and each communication node becomes the op of its
 name: gather / wait / release become sharc.start_gather / wait_gather /
 release, reduce_scatter / wait_reduce become sharc.start_reduce_scatter /
-wait_reduce_scatter, where the passes placed them. The waited shard
-gradients replace the original per-parameter reductions at the graph output.
+wait_reduce_scatter, where the passes placed them, and prefetch_next
+becomes sharc.prefetch_next_graph. The waited shard gradients replace the
+original per-parameter reductions at the graph output.
 A parameter that cast_before_gather narrowed is gathered in the narrow dtype
 and its folded casts' users read the gathered value.
 """
@@ -19,15 +20,19 @@ import torch.fx as fx
 import torch
 
 from sharc._compile.lower import LoweredGraph, ParamSlot
-from sharc._compile.ops import (RELEASE, START_GATHER, START_REDUCE_SCATTER, WAIT_GATHER,
-                                WAIT_REDUCE_SCATTER, is_tensor)
+from sharc._compile.ops import (PREFETCH_NEXT_GRAPH, RELEASE, START_GATHER,
+                                START_REDUCE_SCATTER, WAIT_GATHER, WAIT_REDUCE_SCATTER,
+                                is_tensor)
 
 
 class _Rebuild:
-    def __init__(self, original: fx.Graph, lowered: LoweredGraph, dtypes: dict[int, str]):
+    def __init__(self, original: fx.Graph, lowered: LoweredGraph, dtypes: dict[int, str],
+                 graph_kind: int, budget: int):
         self.original = original
         self.lowered = lowered
         self.dtypes = dtypes  # IR param -> the dtype the schedule gathers it in
+        self.graph_kind = graph_kind  # ops.FORWARD_GRAPH or ops.BACKWARD_GRAPH
+        self.budget = budget  # the schedule's memory budget (-1: none)
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}   # original node -> new node
         self.by_value: dict[str, fx.Node] = {}  # IR value -> new node
@@ -98,7 +103,8 @@ class _Rebuild:
         slots, group, pids = self._slots(params)
         shards = [self.env[s.shard] for s in slots]
         dtype = self._gathered_dtype(slots[0])  # a bucket has one dtype
-        self.by_value[outputs[0]] = self._call(START_GATHER, (shards, group, pids, dtype))
+        self.by_value[outputs[0]] = self._call(START_GATHER,
+                                               (shards, group, pids, dtype, self.graph_kind))
         self.in_flight[outputs[0]] = params
 
     def _wait(self, outputs, operands, params) -> None:  # a wait names its gather only
@@ -116,6 +122,13 @@ class _Rebuild:
         after = [n for n in map(self._value, operands) if is_tensor(n)]
         for slot in (self.lowered.slots[p] for p in params):
             self._call(RELEASE, (self.full[slot.ir_id], after, slot.group, slot.pid))
+
+    def _prefetch_next(self, outputs, operands, params) -> None:  # params name this graph
+        after = [n for n in map(self._value, operands) if is_tensor(n)]
+        slots, group, pids = self._slots(params)
+        shards = [self.env[s.shard] for s in slots]
+        self._call(PREFETCH_NEXT_GRAPH,
+                   (shards, after, group, self.graph_kind, pids, self.budget))
 
     def _reduce_scatter(self, outputs, operands, params) -> None:
         slots, group, pids = self._slots(params)
@@ -139,8 +152,11 @@ class _Rebuild:
 
 def rebuild(original: fx.Graph, lowered: LoweredGraph,
             nodes: list[tuple[str, list[str], list[str], list[int]]],
-            dtypes: dict[int, str]) -> fx.Graph:
+            dtypes: dict[int, str], graph_kind: int, budget: int) -> fx.Graph:
     """The new graph for `original` scheduled as `nodes`: Scheduler.schedule_nodes'
     (kind, outputs, value operands, parameter ids), in order, with each
-    parameter gathered in `dtypes`' dtype (its IR name; "" for as it is)."""
-    return _Rebuild(original, lowered, dtypes).run(nodes)
+    parameter gathered in `dtypes`' dtype (its IR name; "" for as it is).
+    `graph_kind` (ops.FORWARD_GRAPH or BACKWARD_GRAPH) and `budget` (the
+    schedule's memory budget, -1 for none) go to the runtime for
+    cross-graph prefetch."""
+    return _Rebuild(original, lowered, dtypes, graph_kind, budget).run(nodes)

@@ -15,14 +15,20 @@ WAIT_GATHER = torch.ops.sharc.wait_gather.default
 RELEASE = torch.ops.sharc.release.default
 START_REDUCE_SCATTER = torch.ops.sharc.start_reduce_scatter.default
 WAIT_REDUCE_SCATTER = torch.ops.sharc.wait_reduce_scatter.default
+PREFETCH_NEXT_GRAPH = torch.ops.sharc.prefetch_next_graph.default
 ESCAPING_COPY = torch.ops.sharc.escaping_copy.default
 
 # Neither FX dead-code elimination nor Inductor's scheduler may drop these:
 # the starts launch collectives and release frees memory (and has no output
-# anyone reads).
+# anyone reads), as may a graph's prefetch point.
 fx.node.has_side_effect(START_GATHER)
 fx.node.has_side_effect(RELEASE)
 fx.node.has_side_effect(START_REDUCE_SCATTER)
+fx.node.has_side_effect(PREFETCH_NEXT_GRAPH)
+
+FORWARD_GRAPH, BACKWARD_GRAPH = 0, 1
+"""The graph kinds the runtime orders compiled graphs by (cross-graph
+prefetch follows a graph only by one of its own kind)."""
 
 
 def is_call(node: fx.Node, target) -> bool:

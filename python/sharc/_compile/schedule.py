@@ -19,6 +19,7 @@ from sharc._compile.lower import lower
 from sharc._compile.profile import profile_compute
 from sharc._library import Runtime
 from sharc._compile.merge_gradients import merge_gradient_reductions
+from sharc._compile.ops import BACKWARD_GRAPH, FORWARD_GRAPH
 from sharc.config import CompileConfig
 
 _graph_ids = itertools.count()
@@ -49,7 +50,7 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
             collective = list(runtime.collective_costs())
     lowered = lower(gm.graph, compute, dict(runtime.persistent_params()))
     budget = config.memory_budget_bytes
-    text, nodes, passes, trace, params = torch.classes.sharc.Scheduler.schedule_nodes(
+    text, nodes, passes, trace, params, held_to = torch.classes.sharc.Scheduler.schedule_nodes(
         lowered.text,
         gather_bucket_bytes=-1 if config.gather_bucket_bytes is None else
         config.gather_bucket_bytes,
@@ -65,7 +66,9 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
     if config.dump_ir is not None:
         _dump(config.dump_ir, kind, lowered.text, passes, trace, text)
     _keep(runtime, lowered, params)
-    gm.graph = rebuild(gm.graph, lowered, nodes, {p: dtype for p, dtype, _ in params})
+    graph_kind = BACKWARD_GRAPH if kind == "backward" else FORWARD_GRAPH
+    gm.graph = rebuild(gm.graph, lowered, nodes, {p: dtype for p, dtype, _ in params},
+                       graph_kind, held_to)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,0 +1,104 @@
+"""Cross-graph prefetch: when graph breaks split a compiled model, the next
+graph's first gather starts at the end of the graph before it (from the
+second step on, in the order recorded in the first), in forward and in
+backward; training is unchanged and nothing stays gathered, also when the
+graph that follows changes from one step to the next."""
+
+import torch
+
+from dist_harness import run_ranks
+
+STEPS = 4
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        x = torch.relu(self.fc(x))
+        torch._dynamo.graph_break()  # each block ends a compiled graph
+        return x
+
+
+class _Broken(torch.nn.Module):
+    """Blocks separated by graph breaks; with `alternate`, odd steps take a
+    detour through a different block (a different graph follows)."""
+
+    def __init__(self, width=16, depth=3, alternate=False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+        self.detour = _Block(width)
+        self.head = torch.nn.Linear(width, 1)
+        self.alternate = alternate
+        self.step = 0
+
+    def forward(self, x, y):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if self.alternate and i == 0 and self.step % 2:
+                x = self.detour(x)
+        return torch.nn.functional.mse_loss(self.head(x), y)
+
+
+def _batch(step, rank, world):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4 * world, 16, generator=g), torch.randn(4 * world, 1, generator=g)
+    return x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+
+
+def _train(rank, world, alternate, compiled):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Broken(alternate=alternate)
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = torch.compile(model, backend="sharc") if compiled else model
+    out = {"losses": [], "prefetches": [], "left": [], "gathers": []}
+    for step in range(STEPS):
+        model.step = step
+        sharc.reset_memory_stats()
+        loss = run(*_batch(step, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = sharc.memory_stats()
+        out["losses"].append(loss.item())
+        out["prefetches"].append(stats["graph_prefetch_calls"])
+        out["gathers"].append(stats["allgather_calls"])
+        out["left"].append(stats["gathered_bytes"] - stats["kept_gathered_bytes"])
+    return out
+
+
+def _both(rank, world, alternate):
+    return {mode: _train(rank, world, alternate, mode == "compiled")
+            for mode in ("eager", "compiled")}
+
+
+def test_the_next_graphs_first_gather_starts_ahead_and_training_is_unchanged():
+    for out in run_ranks(_both, 2, False):
+        eager, compiled = out["eager"], out["compiled"]
+        for got, want in zip(compiled["losses"], eager["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want)
+        assert compiled["left"] == [0] * STEPS
+        # The first step records the order; from then on the same boundaries
+        # between graphs of one kind start a gather ahead every step, and the
+        # next graph then finds it in flight: no collective more than before.
+        assert compiled["prefetches"][0] == 0
+        assert compiled["prefetches"][1] >= 2
+        assert compiled["prefetches"][1:] == [compiled["prefetches"][1]] * (STEPS - 1)
+        assert compiled["gathers"][1:] == [compiled["gathers"][1]] * (STEPS - 1)
+        assert compiled["gathers"][1] <= compiled["gathers"][0]
+        assert eager["prefetches"] == [0] * STEPS  # eager code has no compiled graphs
+
+
+def test_a_graph_that_does_not_follow_as_recorded_gives_its_prefetch_up():
+    for out in run_ranks(_both, 2, True):
+        eager, compiled = out["eager"], out["compiled"]
+        for got, want in zip(compiled["losses"], eager["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want)
+        # What was gathered ahead for a graph that did not come is freed.
+        assert compiled["left"] == [0] * STEPS
+        assert sum(compiled["prefetches"]) > 0
