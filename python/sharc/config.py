@@ -110,10 +110,14 @@ class CompileConfig:
     inputs, results untouched) and the process group's collective costs
     (once per group), and schedule from them: selective unsharding
     (parameters kept gathered from forward to backward) and the gather
-    bucket size. False: no measurement, nothing kept, 64 KiB buckets."""
+    bucket sizes and the prefetch distance. False: no measurement, nothing
+    kept, 64 KiB gather and 4 MiB reduction buckets, gathers one bucket
+    ahead."""
 
-    reduce_bucket_bytes: int = 4 << 20
-    """Gradients are reduce-scattered together up to this many bytes."""
+    reduce_bucket_bytes: int | None = None
+    """Gradients are reduce-scattered together up to this many bytes. None:
+    chosen by the scheduler from the measured reduce-scatter cost (the same
+    rule as gathers, between 1 MiB and 64 MiB; 4 MiB unmeasured)."""
 
     disable_passes: tuple[str, ...] = ()
     """Passes switched off by name. `bucket_allgathers` and `prefetch_gathers`
@@ -133,7 +137,7 @@ class CompileConfig:
             raise TypeError(f"CompileConfig.profile must be a bool, got {self.profile!r}")
         for name in ("gather_bucket_bytes", "reduce_bucket_bytes", "memory_budget_bytes"):
             value = getattr(self, name)
-            if value is None and name != "reduce_bucket_bytes":
+            if value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CompileConfig.{name} must be an int >= 0, got {value!r}")

@@ -6,11 +6,26 @@
 
 namespace sharc::ir {
 
+namespace {
+
+// The size at which a collective's latency is a tenth of its transfer time
+// (fusing more saves little), within [smallest, largest]; `unmeasured`
+// without a cost.
+int64_t latency_a_tenth(const std::optional<CollectiveCost>& cost, int64_t smallest,
+                        int64_t largest, int64_t unmeasured) {
+  if (!cost || cost->us_per_byte <= 0) return unmeasured;
+  const double bytes = 9.0 * cost->latency_us / cost->us_per_byte;
+  return std::clamp<int64_t>(static_cast<int64_t>(std::min(bytes, 1e18)), smallest, largest);
+}
+
+}  // namespace
+
 int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cost) {
-  constexpr int64_t kSmallest = 64 << 10, kLargest = 64 << 20;
-  if (!gather_cost || gather_cost->us_per_byte <= 0) return kSmallest;
-  const double bytes = 9.0 * gather_cost->latency_us / gather_cost->us_per_byte;
-  return std::clamp<int64_t>(static_cast<int64_t>(std::min(bytes, 1e18)), kSmallest, kLargest);
+  return latency_a_tenth(gather_cost, 64 << 10, 64 << 20, 64 << 10);
+}
+
+int64_t auto_reduce_bucket_bytes(const std::optional<CollectiveCost>& reduce_cost) {
+  return latency_a_tenth(reduce_cost, 1 << 20, 64 << 20, 4 << 20);
 }
 
 PassManager make_pipeline(const PipelineOptions& options) {
@@ -43,7 +58,8 @@ PassManager make_pipeline(const PipelineOptions& options) {
       .add(make_insert_gather_release())
       .add(make_bucket_allgathers(bucket_cap, budget))
       .add(make_prefetch_gathers(budget))
-      .add(make_insert_reduce_scatter(options.reduce_bucket_bytes))
+      .add(make_insert_reduce_scatter(
+          options.reduce_bucket_bytes.value_or(auto_reduce_bucket_bytes(options.reduce_cost))))
       .add(make_prefetch_by_cost({options.gather_cost, options.reduce_cost}, budget))
       .add(make_place_reduce_waits())
       .add(make_mark_graph_prefetch(budget))

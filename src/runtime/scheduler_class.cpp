@@ -12,8 +12,8 @@
 //         params: [(id, dtype it is gathered in ("" if unknown), kept)],
 //         budget: the memory budget the schedule was held to (-1: none))
 //   with every list a list (value names without '%', parameter ids as ints).
-//   gather_bucket_bytes and memory_budget_bytes take -1 for "unset" (chosen
-//   by the scheduler; no cap); collective_costs is [] (not measured) or the
+//   gather_bucket_bytes, reduce_bucket_bytes and memory_budget_bytes take -1
+//   for "unset" (chosen by the scheduler; no cap); collective_costs is [] (not measured) or the
 //   runtime's four numbers (Runtime::collective_costs). With
 //   raise_budget_to_feasible (a default budget, not the user's), a budget
 //   below the graph's smallest feasible one is raised to it instead of
@@ -101,7 +101,7 @@ ir::PipelineOptions pipeline_options(int64_t gather_bucket_bytes, int64_t reduce
               collective_costs.size());
   ir::PipelineOptions options;
   options.gather_bucket_bytes = unless_negative(gather_bucket_bytes);
-  options.reduce_bucket_bytes = reduce_bucket_bytes;
+  options.reduce_bucket_bytes = unless_negative(reduce_bucket_bytes);
   options.disabled_passes = std::move(disabled_passes);
   options.memory_budget_bytes = unless_negative(memory_budget_bytes);
   if (!collective_costs.empty()) {
@@ -161,7 +161,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
                   "Runs the pass pipeline; returns (IR text, nodes, passes, trace, params, budget)",
                   {torch::arg("ir_text"),
                    torch::arg("gather_bucket_bytes") = -1,
-                   torch::arg("reduce_bucket_bytes") = defaults.reduce_bucket_bytes,
+                   torch::arg("reduce_bucket_bytes") = -1,
                    torch::arg("disabled_passes") = c10::List<std::string>(),
                    torch::arg("trace") = false,
                    torch::arg("memory_budget_bytes") = -1,

@@ -186,6 +186,10 @@ TEST(AutoBucket, LatencyIsATenthOfTheTransfer) {
   EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{1.0, 0.001}), 64 << 10);   // clamped up
   EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{1e6, 1e-9}), 64 << 20);    // clamped down
   EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{100.0, 0.0}), 64 << 10);   // no bandwidth
+  // Reductions: the same rule, at least 1 MiB; 4 MiB unmeasured.
+  EXPECT_EQ(auto_reduce_bucket_bytes(std::nullopt), 4 << 20);
+  EXPECT_EQ(auto_reduce_bucket_bytes(CollectiveCost{200.0, 0.0001}), 18000000);
+  EXPECT_EQ(auto_reduce_bucket_bytes(CollectiveCost{100.0, 0.001}), 1 << 20);  // clamped up
 }
 
 TEST(AnnotateCollectiveCosts, PredictedTimesOnCollectives) {

@@ -64,9 +64,9 @@ def test_named_options_and_trace():
 def test_defaults_are_compile_configs():
     config = CompileConfig()
     assert config.gather_bucket_bytes is None and config.memory_budget_bytes is None
+    assert config.reduce_bucket_bytes is None
     defaults = Scheduler.schedule_nodes(IR)
-    explicit = Scheduler.schedule_nodes(IR, gather_bucket_bytes=-1,
-                                        reduce_bucket_bytes=config.reduce_bucket_bytes,
+    explicit = Scheduler.schedule_nodes(IR, gather_bucket_bytes=-1, reduce_bucket_bytes=-1,
                                         memory_budget_bytes=-1)
     assert defaults == explicit
 

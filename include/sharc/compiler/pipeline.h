@@ -21,8 +21,9 @@ struct PipelineOptions {
   /// bucket_allgathers' cap on the bytes one fused all-gather serves; unset:
   /// chosen from the measured all-gather cost (auto_gather_bucket_bytes).
   std::optional<int64_t> gather_bucket_bytes;
-  /// insert_reduce_scatter's cap on the gradient bytes of one bucket.
-  int64_t reduce_bucket_bytes = 4 << 20;
+  /// insert_reduce_scatter's cap on the gradient bytes of one bucket; unset:
+  /// chosen from the measured reduce-scatter cost (auto_reduce_bucket_bytes).
+  std::optional<int64_t> reduce_bucket_bytes;
   /// Passes switched off by name.
   std::vector<std::string> disabled_passes;
   /// The most parameter bytes gathered at once (memory.h); unset: no cap.
@@ -43,6 +44,11 @@ struct PipelineOptions {
 /// (9 x latency / time per byte, so fusing more saves little), between
 /// 64 KiB and 64 MiB; without one, 64 KiB.
 int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cost);
+
+/// The reduction bucket cap when none is set: the same rule over the
+/// measured reduce-scatter cost, between 1 MiB (each reduction also costs a
+/// pass over its gradients on this rank) and 64 MiB; without one, 4 MiB.
+int64_t auto_reduce_bucket_bytes(const std::optional<CollectiveCost>& reduce_cost);
 
 /// A PassManager running sharc's passes in order: regather_in_backward,
 /// cast_before_gather, check_memory_budget, keep_gathered_params,

@@ -54,7 +54,8 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
         lowered.text,
         gather_bucket_bytes=-1 if config.gather_bucket_bytes is None else
         config.gather_bucket_bytes,
-        reduce_bucket_bytes=config.reduce_bucket_bytes,
+        reduce_bucket_bytes=-1 if config.reduce_bucket_bytes is None else
+        config.reduce_bucket_bytes,
         disabled_passes=list(config.disable_passes),
         trace=config.dump_ir is not None,
         memory_budget_bytes=default_budget(lowered, group_name) if budget is None else budget,
