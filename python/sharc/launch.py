@@ -8,12 +8,15 @@ clean-up of its own runs) or a rank exits with a non-zero code, every rank is
 stopped and `launch` raises `LaunchError` with the failing rank's traceback.
 
 A rank can also fail and then not return at all, e.g. by sleeping or waiting
-in a `finally` block of its own. Nothing outside it can tell that from a long
-computation, so the others then wait in their next collective until the
-collective timeout (`timeout`, shorter than torch's default), fail, and stop
-the job. While waiting, each rank's watcher thread has already reported the
-exception its main thread was handling, so the error names that rank and its
-traceback as the first failure rather than the timeouts it caused.
+in a `finally` block of its own. Each rank's watcher thread reports an
+exception its main thread has been handling for a watch period; a rank that
+has been handling one for `_HANDLING_GRACE_S` while another rank goes on
+without one (waiting for it in a collective, most likely) counts as failed,
+and the job stops, naming that rank and its traceback. When every rank is
+handling an exception (all ranks saving a last checkpoint before they
+re-raise, say), nobody is stopped: they may be working together. A rank
+stuck any other way is caught when the others' collectives time out
+(`timeout`, shorter than torch's default).
 
 Under torchrun each rank runs `fn` in place; an exception aborts the process
 group instead of the orderly shutdown (which can block on a peer) and is
@@ -47,6 +50,7 @@ own default is 30 minutes for gloo, 10 for NCCL)."""
 _WATCH_PERIOD_S = 0.25
 _EXIT_GRACE_S = 30.0
 _SETTLE_S = 2.0  # after a first failure, for the rest to exit or report
+_HANDLING_GRACE_S = 5.0  # an exception handled this long, alone, is a failure
 
 
 class LaunchError(RuntimeError):
@@ -226,6 +230,14 @@ class _Rank:
         return self.error is not None or (code is not None and code != 0) or (
             code == 0 and not self.done and self.conn is None)
 
+    def stuck_handling(self, now: float) -> bool:
+        """Handling one exception for longer than the grace period."""
+        return self.handling is not None and now - self.handling[0] > _HANDLING_GRACE_S
+
+    def running_clean(self) -> bool:
+        """Alive, not finished, and handling no exception."""
+        return self.process.exitcode is None and not self.done and self.handling is None
+
 
 class _LocalJob:
     """N local ranks, watched until all succeed or the first one fails."""
@@ -272,13 +284,22 @@ class _LocalJob:
                     _warn_not_exiting([r.rank for r in self.ranks if r.process.is_alive()])
                     return []
                 multiprocessing.connection.wait(waiting, timeout=left)
-            else:
-                multiprocessing.connection.wait(waiting)
+            else:  # woken in time to see a rank handling an exception too long
+                multiprocessing.connection.wait(waiting, timeout=_WATCH_PERIOD_S * 4)
             for r in self.ranks:
                 r.receive()
-            failed = [r.rank for r in self.ranks if r.failed()]
+            failed = [r.rank for r in self.ranks if r.failed()] or self._stuck()
             if failed:
                 return self._settle(failed)
+
+    def _stuck(self) -> list[int]:
+        """Ranks handling an exception past the grace period while another
+        rank runs on without one (see [Note: failing fast])."""
+        now = time.time()
+        stuck = [r.rank for r in self.ranks if r.stuck_handling(now)]
+        if stuck and any(r.running_clean() for r in self.ranks):
+            return stuck
+        return []
 
     def _settle(self, failed: list[int]) -> list[int]:
         """A rank that dies silently makes its peers' collectives fail a moment
@@ -292,7 +313,7 @@ class _LocalJob:
             multiprocessing.connection.wait(alive, timeout=deadline - time.monotonic())
         for r in self.ranks:
             r.receive()
-        return [r.rank for r in self.ranks if r.failed()] or failed
+        return [r.rank for r in self.ranks if r.failed()] or self._stuck() or failed
 
     def _stop(self) -> None:
         for r in self.ranks:

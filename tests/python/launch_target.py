@@ -7,6 +7,9 @@ Every rank all-reduces six times; in "step 3" rank 1 fails as MODE says:
   ok       does not fail
   linger   does not fail, but a non-daemon thread keeps rank 1 alive 600 s
            (the launcher waits LINGER_GRACE_S for it to exit, then kills it)
+  save     every rank raises; in its finally block each waits SAVE_S (longer
+           than the launcher's grace for a rank handling an exception), then
+           all save together (an all-reduce) and say so
 """
 
 import os
@@ -21,6 +24,7 @@ import sharc.launch
 from sharc.launch import launch
 
 LINGER_GRACE_S = 2.0
+SAVE_S = 8.0
 
 
 def step3(rank):
@@ -42,12 +46,16 @@ def job(mode):
     t = torch.ones(1)
     try:
         for step in range(6):
-            if rank == 1 and step == 3:
+            if step == 3 and (rank == 1 or mode == "save"):
                 fail_in_step3(rank, mode)
             dist.all_reduce(t)
     finally:
         if rank == 1 and mode == "finally":
             time.sleep(600)
+        if mode == "save":
+            time.sleep(SAVE_S)
+            dist.all_reduce(t)
+            print(f"saved on rank {rank}", flush=True)
 
 
 if __name__ == "__main__":

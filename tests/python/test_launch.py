@@ -22,9 +22,10 @@ def _run(cmd):
 
 
 def test_rank_stuck_in_finally_after_raising():
-    # Rank 1 never leaves its finally block: rank 0's collective times out
-    # (5 s here), and the error still names rank 1's exception first.
-    r, elapsed = _run([sys.executable, TARGET, "finally", "5"])
+    # Rank 1 never leaves its finally block while rank 0 waits for it in a
+    # collective: with the default (5-minute) collective timeout, the job
+    # still stops within seconds, naming rank 1's exception first.
+    r, elapsed = _run([sys.executable, TARGET, "finally"])
     assert r.returncode != 0
     assert elapsed < LIMIT_S, f"took {elapsed:.0f}s:\n{r.stderr[-3000:]}"
     assert "LaunchError: sharc.launch: rank 1 failed first (RuntimeError: boom at step 3 " \
@@ -32,6 +33,17 @@ def test_rank_stuck_in_finally_after_raising():
     assert 'in step3\n    raise RuntimeError(f"boom at step 3' in r.stderr
     assert "still handling the exception" in r.stderr
     assert "job finished" not in r.stdout
+
+
+def test_ranks_all_handling_an_exception_are_left_to_finish_it():
+    # Every rank raised and saves together in its finally block, longer than
+    # the grace for a rank handling an exception alone: nobody is stopped
+    # before the save, and the job then fails with the exception.
+    r, elapsed = _run([sys.executable, TARGET, "save"])
+    assert r.returncode != 0
+    assert elapsed >= 8, f"took {elapsed:.0f}s:\n{r.stderr[-3000:]}"
+    assert "saved on rank 0" in r.stdout and "saved on rank 1" in r.stdout, r.stderr[-3000:]
+    assert "failed first (RuntimeError: boom at step 3 on rank" in r.stderr, r.stderr[-3000:]
 
 
 def test_rank_kept_alive_after_raising_with_the_default_timeout():
