@@ -127,9 +127,11 @@ _HARMLESS = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 class OutsideForwardCopy(torch.Tensor):
     """What `module.weight` gives outside every forward: a copy of the full
     parameter. Writing to it in place would change the copy only, so it
-    raises, naming what does reach the shards. (`.data` gives a plain
-    tensor, which this cannot see.) Every other op runs as on a tensor and
-    returns plain tensors."""
+    raises, naming what does reach the shards. A view of it (`.data`,
+    `.detach()`, `view`, indexing) is such a copy too, so writes through it
+    raise the same way; a NumPy array of it is beyond reach (writing one
+    changes the copy only). Every other op runs as on a tensor and returns
+    plain tensors."""
 
     sharc_fqn = "?"
 
@@ -145,7 +147,23 @@ class OutsideForwardCopy(torch.Tensor):
                 "after sharc.shard(), write them inside `with sharc.unsharded(model, "
                 "writeback=True):`, or load them with sharc.load_full_state_dict")
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+        if args and isinstance(args[0], cls):
+            return _views_as_copies(out, args[0])
+        return out
+
+
+def _views_as_copies(out, copy: OutsideForwardCopy):
+    """`out` with every tensor in it that shares `copy`'s storage (a view)
+    made an OutsideForwardCopy of the same parameter."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_views_as_copies(o, copy) for o in out)
+    if (not isinstance(out, torch.Tensor) or isinstance(out, OutsideForwardCopy)
+            or out.untyped_storage().data_ptr() != copy.untyped_storage().data_ptr()):
+        return out
+    view = out.as_subclass(OutsideForwardCopy)
+    view.sharc_fqn = copy.sharc_fqn
+    return view
 
 
 class _Scope:

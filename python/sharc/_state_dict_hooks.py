@@ -39,7 +39,7 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
         for local, ref in state.refs.items():
             key = prefix + local
             if key in state_dict:
-                state.schedule.checks.agree(_rank_check.FULL_STATE_DICT, f"'{key}'", ref.pid)
+                state.schedule.checks.agree(_rank_check.MODULE_STATE_DICT, f"'{key}'", ref.pid)
                 state_dict[key] = ref.runtime.read_full(ref.pid)
 
     def load_full_entries(_module, state_dict, prefix, *_) -> None:
@@ -50,7 +50,7 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
             value = state_dict.get(key)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != ref.shape:
                 continue  # a shard, or a mismatch torch's own copy reports
-            state.schedule.checks.agree(_rank_check.LOAD_FULL_STATE_DICT, f"'{key}'",
+            state.schedule.checks.agree(_rank_check.MODULE_LOAD_STATE_DICT, f"'{key}'",
                                         _rank_check.checksum({key: value}))
             with torch.no_grad():
                 ref.runtime.load_full(ref.pid, value)

@@ -31,6 +31,8 @@ def _lone_call(rank, world, call):
                 sharc.full_state_dict(model)
             elif call == "load_full_state_dict":
                 sharc.load_full_state_dict(model, {k: v * 0 for k, v in before.items()})
+            elif call == "state_dict()":  # torch.save(model.state_dict()) on rank 0
+                model.state_dict()
             else:
                 with sharc.unsharded(model):
                     pass
@@ -40,10 +42,14 @@ def _lone_call(rank, world, call):
     return message, all(torch.equal(a, b) for a, b in zip(shards, model.parameters()))
 
 
-@pytest.mark.parametrize("call", ["full_state_dict", "load_full_state_dict", "unsharded"])
-def test_a_collective_call_on_one_rank_raises_there(call):
+@pytest.mark.parametrize("call, what", [
+    ("full_state_dict", "sharc.full_state_dict"),
+    ("load_full_state_dict", "sharc.load_full_state_dict"),
+    ("unsharded", "sharc.unsharded"),
+    ("state_dict()", "state_dict() of a sharded module ('0.weight')")])
+def test_a_collective_call_on_one_rank_raises_there(call, what):
     (first, same0), (second, same1) = run_ranks(_lone_call, 2, call, timeout=120)
-    assert f"sharc.{call} is collective" in first
+    assert f"sharc: {what} is collective" in first
     assert "not every rank did within 2 s" in first
     assert second == "no error"
     assert same0 and same1  # nothing was loaded on either rank

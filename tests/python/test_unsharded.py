@@ -57,8 +57,19 @@ def _errors(rank, world):
         nn.init.ones_(model[2].weight)  # outside forward: a copy, would be lost
     except RuntimeError as e:
         errors["outside"] = str(e)
+    # Through views of the copy: .data (no version counter of its own to
+    # see), detach, indexing.
+    for name, write in (("data", lambda w: w.data.fill_(7.0)),
+                        ("detach", lambda w: w.detach().zero_()),
+                        ("index", lambda w: w.view(-1).__setitem__(0, 1.0))):
+        try:
+            write(model[2].weight)
+            errors[name] = "no error"
+        except RuntimeError as e:
+            errors[name] = str(e)
     logged = model[2].weight
     errors["reads"] = (logged.norm().item() > 0, type(logged * 2) is torch.Tensor)
+    errors["own_copy"] = type(logged.clone()) is torch.Tensor  # a clone is the user's own
     try:
         with sharc.unsharded(model, writeback=True):
             if rank == 1:
@@ -79,7 +90,11 @@ def test_lost_or_diverging_writes_raise():
             in errors["no_writeback"]
         assert "'2.weight' read outside forward is a copy" in errors["outside"]
         assert "fill_ on it would change the copy only" in errors["outside"]
+        assert "fill_ on it would change the copy only" in errors["data"]
+        assert "zero_ on it would change the copy only" in errors["detach"]
+        assert "__setitem__ on it would change the copy only" in errors["index"]
         assert errors["reads"] == (True, True)  # reading it works, results are tensors
+        assert errors["own_copy"]
         assert "sharc.unsharded(model, writeback=True)" in errors["outside"]
         assert "changed the parameters differently (first: '0.weight')" in errors["one_rank"]
         assert "cannot assign a new tensor to the sharded parameter '0.weight'" in \
