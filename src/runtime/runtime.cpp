@@ -862,17 +862,59 @@ void Runtime::agree_locked(Collective kind, const std::vector<int64_t>& ids,
   comm_.all_gather(all, mine)->wait();
   at::Tensor rows = all.view({world, 4}).cpu();
   at::Tensor here = mine.cpu();
-  for (int64_t r = 0; r < world; ++r) {
-    if (at::equal(rows[r], here)) continue;
-    const auto* other = rows[r].const_data_ptr<int64_t>();
-    throw Error(detail::concat(
-        "sharc: the ranks diverged: rank ", comm_.rank(), " is about to issue ",
-        describe(kind, static_cast<int64_t>(ids.size()), ids[0]), " while rank ", r,
-        " issues ", describe(other[0], other[1], other[2]),
-        ". Every rank must run the same sharded modules in the same order; a module whose "
-        "submodules run on some ranks only (mixture-of-experts routing) must be named in "
-        "ShardConfig.gather_units"));
+  int64_t other = -1;  // the first rank about to issue something else
+  for (int64_t r = 0; r < world && other < 0; ++r) {
+    if (!at::equal(rows[r], here)) other = r;
   }
+  bool diverged = false;  // the same answer on every rank: they all saw `rows`
+  for (int64_t r = 1; r < world; ++r) diverged = diverged || !at::equal(rows[r], rows[0]);
+  if (!diverged) return;
+  const std::string where = first_difference_locked(ids, rows, other, device);
+  if (other < 0) {
+    throw Error(detail::concat("sharc: the ranks diverged: other ranks are about to issue "
+                               "different collectives (verify_schedule)", where,
+                               ". Every rank must run the same sharded modules in the same "
+                               "order"));
+  }
+  const auto* theirs = rows[other].const_data_ptr<int64_t>();
+  throw Error(detail::concat(
+      "sharc: the ranks diverged: rank ", comm_.rank(), " is about to issue ",
+      describe(kind, static_cast<int64_t>(ids.size()), ids[0]), " while rank ", other,
+      " issues ", describe(theirs[0], theirs[1], theirs[2]), where,
+      ". Every rank must run the same sharded modules in the same order; a module whose "
+      "submodules run on some ranks only (mixture-of-experts routing) must be named in "
+      "ShardConfig.gather_units"));
+}
+
+// Every rank calls it once the ranks' (kind, count, first, hash) differ: the
+// full parameter lists, padded to the longest, are exchanged (one more
+// all-gather, on the way to an error) to name the first parameter where this
+// rank's list and rank `other`'s part.
+std::string Runtime::first_difference_locked(const std::vector<int64_t>& ids,
+                                             const at::Tensor& rows, int64_t other,
+                                             c10::Device device) {
+  const int64_t world = comm_.world_size();
+  const int64_t longest = rows.select(1, 1).max().item<int64_t>();
+  at::Tensor mine = at::full({longest}, -1, at::kLong);
+  for (size_t i = 0; i < ids.size(); ++i) mine[static_cast<int64_t>(i)] = ids[i];
+  mine = mine.to(device);
+  at::Tensor all = at::empty({world * longest}, mine.options());
+  comm_.all_gather(all, mine)->wait();
+  if (other < 0) return "";
+  at::Tensor lists = all.view({world, longest}).cpu();
+  const auto* a = lists[comm_.rank()].const_data_ptr<int64_t>();
+  const auto* b = lists[other].const_data_ptr<int64_t>();
+  auto name = [this](int64_t id) {
+    return id < 0 || id >= static_cast<int64_t>(params_.size())
+               ? std::string("nothing")
+               : "'" + params_[id]->name + "'";
+  };
+  for (int64_t i = 0; i < longest; ++i) {
+    if (a[i] == b[i]) continue;
+    return detail::concat("; their parameters first differ at position ", i + 1, ": ",
+                          name(a[i]), " here, ", name(b[i]), " on rank ", other);
+  }
+  return "";  // the same parameters: the kind of collective differs
 }
 
 }  // namespace sharc

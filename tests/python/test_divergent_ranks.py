@@ -125,8 +125,11 @@ def test_verify_schedule_names_where_ranks_diverged(mode):
         assert "the ranks diverged" in message, message
         assert f"rank {rank} is about to issue" in message
         assert "ShardConfig.gather_units" in message
-        if mode == "eager":  # compiled, the gathers share one bucket from 'first.'
+        if mode == "eager":
             assert "'middle." in message and "'last." in message
+        if mode == "compiled":  # the gathers share one bucket from 'first.'
+            assert "their parameters first differ at position" in message, message
+            assert "'middle." in message
         if mode == "eager, prefetch":  # both prefetched 'middle.'; rank 1 never reduces it
             assert "'middle." in message
 

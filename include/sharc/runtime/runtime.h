@@ -291,6 +291,10 @@ class Runtime : public torch::CustomClassHolder {
   /// `kind` collective for `ids` (see set_verify_schedule), on `device`.
   void agree_locked(Collective kind, const std::vector<int64_t>& ids, c10::Device device);
   std::string describe(int64_t kind, int64_t count, int64_t first) const;
+  /// On divergence: where this rank's parameter list and rank `other`'s
+  /// first differ (a collective: every rank calls it with the rows agreed on).
+  std::string first_difference_locked(const std::vector<int64_t>& ids, const at::Tensor& rows,
+                                      int64_t other, c10::Device device);
   /// Whether `p` must be gathered before a use in `dtype`: sharded or
   /// released, or persistent and stale or in another dtype. Throws if it is
   /// held or in flight in another dtype.
