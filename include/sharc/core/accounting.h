@@ -5,8 +5,8 @@
 // when it allocates, frees or communicates; nothing is sampled or estimated.
 // Communication volume is what this rank sends under a ring algorithm,
 // (W - 1) * shard bytes per collective for both all-gather and
-// reduce-scatter: the lower bound any algorithm needs. (Gloo's
-// reduce-scatter runs as an all-reduce and sends about twice that.)
+// reduce-scatter: the lower bound any algorithm needs, and what the
+// communicator's CPU reduce-scatter (an all-to-all) sends.
 
 #include <cstdint>
 
