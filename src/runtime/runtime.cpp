@@ -1,7 +1,5 @@
 #include "sharc/runtime/runtime.h"
 
-#include <torch/csrc/autograd/engine.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -242,86 +240,6 @@ void Runtime::start_gathers_locked(const std::vector<int64_t>& ids,
     group->second.push_back(id);
   }
   for (const auto& [want, group] : by_dtype) start_gather_locked(group, want);
-}
-
-void Runtime::start_graph_gather(int64_t graph_kind, const std::vector<int64_t>& ids,
-                                 c10::ScalarType dtype) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  give_up_changed_ahead_locked();
-  const GatherBucket bucket{ids, static_cast<int64_t>(dtype)};
-  if (std::optional<GatherBucket> stale = graphs_.graph_gathers(graph_kind, bucket)) {
-    drop_unheld_locked(stale->ids);
-  }
-  if (graph_kind == kBackwardGraph) queue_end_of_backward_locked();
-  start_gathers_locked(ids, dtype);
-}
-
-void Runtime::prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>& key,
-                                  int64_t budget_bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  give_up_changed_ahead_locked();
-  if (std::optional<GatherBucket> stale = graphs_.end_graph({graph_kind, key})) {
-    drop_unheld_locked(stale->ids);
-  }
-  const std::optional<GatherBucket> next = graphs_.follower_to_start();
-  if (!next) return;
-  const auto dtype = static_cast<c10::ScalarType>(next->dtype);
-  int64_t bytes = 0;
-  for (int64_t id : next->ids) {
-    const ShardedParam& p = param(id);
-    if (needs_gather(p, dtype)) bytes += p.layout.padded_numel() * c10::elementSize(dtype);
-  }
-  // The graph's budget holds for what it gathers ahead too; at its later
-  // prefetch point, with more released, it may fit.
-  if (budget_bytes >= 0 && accounting_.stats().gathered_bytes + bytes > budget_bytes) return;
-  graphs_.started_ahead(*next);
-  if (bytes == 0) return;
-  accounting_.on_graph_prefetch();
-  start_gathers_locked(next->ids, dtype);
-}
-
-// A bucket gathered ahead whose shards changed since (an optimizer step came
-// between two passes) would serve old values: it is given up, and the graph
-// that wants those parameters gathers them anew.
-void Runtime::give_up_changed_ahead_locked() {
-  const std::optional<GatherBucket> ahead = graphs_.ahead();
-  if (!ahead) return;
-  for (int64_t id : ahead->ids) {
-    const ShardedParam& p = param(id);
-    const ParamState s = p.state.state();
-    const bool ours = s == ParamState::Gathering || (s == ParamState::Gathered &&
-                                                     p.state.holds() == 0);
-    if (ours && p.shard._version() != p.gathered_version) {
-      graphs_.give_up_ahead();
-      drop_unheld_locked(ahead->ids);
-      return;
-    }
-  }
-}
-
-// The backward pass's end is a point every rank reaches alike: what a
-// backward graph gathered ahead and nobody took is freed there, and the
-// next pass's first graph is not taken for a follower of this one's last.
-void Runtime::queue_end_of_backward_locked() {
-  if (end_of_backward_queued_) return;
-  c10::weak_intrusive_ptr<Runtime> weak(c10::intrusive_ptr<Runtime>::unsafe_reclaim_from_nonowning(this));
-  try {
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto runtime = weak.lock()) runtime->end_backward_pass();
-    });
-    end_of_backward_queued_ = true;
-  } catch (const c10::Error&) {
-    // Not inside the autograd engine (a backward graph run by hand): the
-    // next graph of the other kind or a changed shard gives it up instead.
-  }
-}
-
-void Runtime::end_backward_pass() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  end_of_backward_queued_ = false;
-  if (std::optional<GatherBucket> stale = graphs_.end_pass(kBackwardGraph)) {
-    drop_unheld_locked(stale->ids);
-  }
 }
 
 std::vector<at::Tensor> Runtime::wait_gather(const std::vector<int64_t>& ids) {

@@ -305,6 +305,10 @@ class Runtime : public torch::CustomClassHolder {
   /// start_gather() with the lock held.
   void start_gathers_locked(const std::vector<int64_t>& ids,
                             std::optional<c10::ScalarType> dtype);
+  /// The bytes gathering `ids` in `dtype` ahead would allocate; none if one
+  /// is held or in flight in another dtype.
+  std::optional<int64_t> bytes_to_start_ahead_locked(const std::vector<int64_t>& ids,
+                                                     c10::ScalarType dtype) const;
   /// Gives up the bucket gathered ahead if a shard of it changed since.
   void give_up_changed_ahead_locked();
   /// Queues end_backward_pass() with the autograd engine, once a pass.
