@@ -6,6 +6,7 @@ naive order: gather fp32, then cast)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -176,25 +177,47 @@ class _BrokenMlp(_Mlp):
 
 
 def _counters(rank, world, mode, param, reduce, options):
+    import torch.distributed as dist
+
     import sharc
 
+    # A group of its own: the counters are the runtime's of this group only,
+    # untouched by the other policies run before it in this process.
+    group = dist.new_group()
     model = _BrokenMlp() if mode == "graph_break" else _Mlp()
-    sharc.shard(model, config=_policy(param, reduce) if param else None)
+    sharc.shard(model, group, config=_policy(param, reduce) if param else None)
     step = model if mode == "eager" else torch.compile(model, backend="sharc", options=options)
     stats = []
     for i in range(3):
-        sharc.reset_memory_stats()
+        sharc.reset_memory_stats(group)
         x = torch.randn(8, 33, generator=torch.Generator().manual_seed(10 * i + rank))
         step(x).backward()
-        stats.append(sharc.memory_stats())
+        stats.append(sharc.memory_stats(group))
     return stats[-1]  # compiled by now
+
+
+# policy name -> (param_dtype, reduce_dtype, compile options)
+POLICIES = {"fp32": (None, None, None), "bf16": (BF16, torch.float32, None),
+            "bf16_reduce": (BF16, BF16, None), "bf16_naive": (BF16, torch.float32, NAIVE)}
+
+
+def _counters_of_policies(rank, world, mode, names):
+    return {name: _counters(rank, world, mode, *POLICIES[name]) for name in names}
+
+
+@functools.cache
+def _policy_counters(mode):
+    """Every policy's counters for `mode`, from one launch (each policy a
+    fresh model, compiled anew, on its own process group): one rank's dict
+    of policy name -> memory_stats per rank."""
+    names = [n for n in POLICIES if mode == "compiled" or n != "bf16_naive"]
+    return run_ranks(_counters_of_policies, 2, mode, names)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled", "graph_break"])
 def test_bf16_halves_allgather_bytes_and_peak(mode):
-    fp32 = run_ranks(_counters, 2, mode, None, None, None)
-    bf16 = run_ranks(_counters, 2, mode, BF16, torch.float32, None)
-    bf16_reduce = run_ranks(_counters, 2, mode, BF16, BF16, None)
+    runs = _policy_counters(mode)
+    fp32, bf16, bf16_reduce = ([r[name] for r in runs] for name in ("fp32", "bf16", "bf16_reduce"))
     bucket = 64 << 10  # CompileConfig's gather_bucket_bytes default
     for f, h, hr in zip(fp32, bf16, bf16_reduce):
         assert h["allgather_bytes"] * 2 == f["allgather_bytes"] > 0
@@ -208,8 +231,8 @@ def test_bf16_halves_allgather_bytes_and_peak(mode):
 
 
 def test_compiled_fusion_halves_bytes_against_the_naive_order():
-    fused = run_ranks(_counters, 2, "compiled", BF16, torch.float32, None)
-    naive = run_ranks(_counters, 2, "compiled", BF16, torch.float32, NAIVE)
+    runs = _policy_counters("compiled")  # the same launch as the test above
+    fused, naive = ([r[name] for r in runs] for name in ("bf16", "bf16_naive"))
     for f, n in zip(fused, naive):
         assert f["allgather_bytes"] * 2 == n["allgather_bytes"]
         assert f["peak_gathered_bytes"] < n["peak_gathered_bytes"]
