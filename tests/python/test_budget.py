@@ -15,31 +15,54 @@ from dist_harness import RankFailure, run_ranks
 from models import global_batch, make_optimizer, make_parity_model, rank_slice
 
 
-def _eight_blocks():
+def _blocks(n_layer):
     from sharc.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=8, n_head=4, n_embd=64))
+    return GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=n_layer, n_head=4, n_embd=64))
 
 
-def _peaks(rank, world, options):
+def _eight_blocks():
+    """1.6 MB of parameters: even ten times the smallest budget (83 KB) is
+    below them, so every budget tested limits what the schedule keeps."""
+    return _blocks(8)
+
+
+def _four_blocks():
+    """825 KB of parameters, compiled in half the time of eight blocks;
+    enough where a budget of a few blocks' parameters must keep some of
+    them gathered and not others (measured: 400 KB kept 15 of its 52
+    parameters, 250 KB 13; eight blocks kept 26 and 21 of 100)."""
+    return _blocks(4)
+
+
+def _peaks(rank, world, options, group=None):
     import sharc
 
     model = _eight_blocks()
-    sharc.shard(model)
+    sharc.shard(model, group)
     step = torch.compile(model, backend="sharc", options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(65, (2, 32), generator=torch.Generator().manual_seed(rank))
     peaks, losses = [], []
     for _ in range(3):
-        sharc.reset_memory_stats()
+        sharc.reset_memory_stats(group)
         loss = step(x, x)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        peaks.append(sharc.memory_stats()["peak_gathered_bytes"])
+        peaks.append(sharc.memory_stats(group)["peak_gathered_bytes"])
         losses.append(loss.item())
     return peaks, losses
+
+
+def _in_own_groups(rank, world, fn, args_list):
+    """`fn(rank, world, *args, group)` for each args in turn, in one launch:
+    each run a fresh model sharded over a process group of its own, so its
+    counters and kept parameters are its own, and compiled anew."""
+    import torch.distributed as dist
+
+    return [fn(rank, world, *args, dist.new_group()) for args in args_list]
 
 
 @functools.cache
@@ -62,21 +85,36 @@ def test_a_budget_below_the_smallest_feasible_one_names_it():
         run_ranks(_peaks, 2, {"memory_budget_bytes": smallest - 1}, timeout=420)
 
 
-@pytest.mark.parametrize("times", [1, 3, 10])
+TIMES = (1, 3, 10)
+
+
+@functools.cache
+def _budget_runs():
+    """Each budget of TIMES x the smallest: one launch, a fresh model
+    compiled for each budget; {times: (budget, per-rank (peaks, losses))}."""
+    budgets = [times * _smallest_budget() for times in TIMES]
+    runs = run_ranks(_in_own_groups, 2, _peaks,
+                     [({"memory_budget_bytes": b},) for b in budgets], timeout=600)
+    return {times: (budget, [r[i] for r in runs])
+            for i, (times, budget) in enumerate(zip(TIMES, budgets))}
+
+
+@pytest.mark.parametrize("times", TIMES)
 def test_the_budget_is_never_exceeded(times):
-    budget = times * _smallest_budget()
-    for peaks, losses in run_ranks(_peaks, 2, {"memory_budget_bytes": budget}, timeout=420):
+    budget, results = _budget_runs()[times]
+    assert budget == times * _smallest_budget()
+    for peaks, losses in results:
         assert max(peaks) <= budget, peaks
         assert all(torch.isfinite(torch.tensor(losses)))
 
 
-def _backward_gathers(rank, world, profile):
+def _backward_gathers(rank, world, profile, group=None):
     """All-gather bytes sent during backward, per step, and the kept bytes."""
     import sharc
     from sharc.api import sharded_root
 
-    model = _eight_blocks()
-    sharc.shard(model)
+    model = _four_blocks()
+    sharc.shard(model, group)
     step = torch.compile(model, backend="sharc", options={"profile": profile,
                                                          "memory_budget_bytes": 400_000})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -84,9 +122,9 @@ def _backward_gathers(rank, world, profile):
     sent = []
     for _ in range(2):
         loss = step(x, x)
-        sharc.reset_memory_stats()
+        sharc.reset_memory_stats(group)
         loss.backward()
-        sent.append(sharc.memory_stats()["allgather_bytes"])
+        sent.append(sharc.memory_stats(group)["allgather_bytes"])
         opt.step()
         opt.zero_grad()
     kept = dict(sharded_root(model).runtime.persistent_params())
@@ -94,9 +132,9 @@ def _backward_gathers(rank, world, profile):
 
 
 def test_selective_unsharding_saves_exactly_the_kept_parameters_backward_gathers():
-    kept_runs = run_ranks(_backward_gathers, 2, True, timeout=420)
-    plain_runs = run_ranks(_backward_gathers, 2, False, timeout=420)
-    for (sent_kept, kept), (sent_plain, none_kept) in zip(kept_runs, plain_runs):
+    # Both runs in one launch, each model on its own group.
+    runs = run_ranks(_in_own_groups, 2, _backward_gathers, [(True,), (False,)], timeout=600)
+    for (sent_kept, kept), (sent_plain, none_kept) in runs:
         assert kept and not none_kept
         # Each rank sends its shard, half the padded full bytes, per gather.
         saved = sum(full // 2 for full in kept.values())
@@ -104,11 +142,11 @@ def test_selective_unsharding_saves_exactly_the_kept_parameters_backward_gathers
             assert without - with_keep == saved
 
 
-def _train(rank, world, options, eight_blocks, steps=3):
+def _train(rank, world, options, four_blocks, group=None, steps=3):
     import sharc
 
-    model = _eight_blocks() if eight_blocks else make_parity_model()
-    sharc.shard(model)
+    model = _four_blocks() if four_blocks else make_parity_model()
+    sharc.shard(model, group)
     step_fn = model if options is None else torch.compile(model, backend="sharc",
                                                           options=options)
     opt = make_optimizer(model.parameters())
@@ -124,33 +162,47 @@ def _train(rank, world, options, eight_blocks, steps=3):
 
 
 @functools.cache
-def _eager_training(eight_blocks: bool):
+def _eager_training(four_blocks: bool):
     """The eager run every compiled choice is compared with, run once."""
-    return run_ranks(_train, 2, None, eight_blocks)
+    return run_ranks(_train, 2, None, four_blocks)
 
 
-@pytest.mark.parametrize("options, eight_blocks", [
-    ({}, False),                                       # measured: kept parameters, auto buckets
-    ({"memory_budget_bytes": 10**9}, False),           # room to keep everything
-    ({"memory_budget_bytes": 250_000}, True),          # tight: little kept, small buckets
-    ({"profile": False}, False),                       # unmeasured: nothing kept, 64 KiB buckets
-], ids=["default", "keep-all", "tightest", "unprofiled"])
-def test_every_scheduling_choice_trains_like_eager(options, eight_blocks):
-    eager = _eager_training(eight_blocks)
-    compiled = run_ranks(_train, 2, options, eight_blocks, timeout=420)
+CHOICES = {  # name: (options, four_blocks)
+    "default": ({}, False),  # measured: kept parameters, auto buckets
+    "keep-all": ({"memory_budget_bytes": 10**9}, False),  # room to keep everything
+    "tightest": ({"memory_budget_bytes": 250_000}, True),  # tight: little kept, small buckets
+    "unprofiled": ({"profile": False}, False),  # unmeasured: nothing kept, 64 KiB buckets
+}
+
+
+@functools.cache
+def _compiled_training(four_blocks: bool):
+    """Every choice on that model compiled and trained in one launch, each a
+    fresh model on its own process group: {choice: per-rank results}."""
+    names = [n for n, (_, four) in CHOICES.items() if four == four_blocks]
+    runs = run_ranks(_in_own_groups, 2, _train,
+                     [(CHOICES[n][0], four_blocks) for n in names], timeout=600)
+    return {name: [r[i] for r in runs] for i, name in enumerate(names)}
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_every_scheduling_choice_trains_like_eager(choice):
+    _, four_blocks = CHOICES[choice]
+    eager = _eager_training(four_blocks)
+    compiled = _compiled_training(four_blocks)[choice]
     for (losses_c, state_c), (losses_e, state_e) in zip(compiled, eager):
         assert losses_c == pytest.approx(losses_e, rel=1e-5)
         for name, value in state_e.items():  # atol: as test_compiled_parity.py
             torch.testing.assert_close(state_c[name], value, rtol=1e-4, atol=1e-4)
 
 
-def _profiled_losses(rank, world, profile):
+def _profiled_losses(rank, world, profile, group=None):
     import sharc
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 1))
-    sharc.shard(model)
+    sharc.shard(model, group)
     step = torch.compile(model, backend="sharc", options={"profile": profile})
     torch.manual_seed(1 + rank)  # dropout masks: profiling must not draw from this stream
     losses = []
@@ -162,8 +214,10 @@ def _profiled_losses(rank, world, profile):
 
 
 def test_profiling_changes_no_result():
-    profiled = run_ranks(_profiled_losses, 2, True, timeout=420)
-    plain = run_ranks(_profiled_losses, 2, False, timeout=420)
+    # One launch, each model on its own group; both runs seed alike before
+    # their first step (which compiles).
+    runs = run_ranks(_in_own_groups, 2, _profiled_losses, [(True,), (False,)], timeout=420)
+    profiled, plain = ([r[i] for r in runs] for i in range(2))
     assert profiled == plain  # bitwise: the same dropout masks, the same sums
 
 
