@@ -84,12 +84,12 @@ def train_single(steps: int, batch: int):
     return losses, model.state_dict()
 
 
-def gathered_beyond_kept() -> int:
-    """Bytes gathered now beyond the parameters the compiled schedule chose
-    to keep gathered (selective unsharding, counted in kept_gathered_bytes):
-    what a missed release leaves behind. 0 is the only right value between
-    steps."""
+def gathered_beyond_kept(group=None) -> int:
+    """Bytes gathered now (over `group`, default the world) beyond the
+    parameters the compiled schedule chose to keep gathered (selective
+    unsharding, counted in kept_gathered_bytes): what a missed release
+    leaves behind. 0 is the only right value between steps."""
     import sharc
 
-    stats = sharc.memory_stats()
+    stats = sharc.memory_stats(group)
     return stats["gathered_bytes"] - stats["kept_gathered_bytes"]

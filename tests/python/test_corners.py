@@ -5,6 +5,8 @@ accumulation (with and without reducing every micro-batch), forwards
 without backward (no_grad, eval, dropped), part of the model compiled, and
 debug mode naming a parameter read after its release."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -36,12 +38,28 @@ def batch(step, rank, world):
     return (torch.randn(4, 6, generator=g),)
 
 
-def _sharded(mode):
+def _sharded(mode, group=None):
     import sharc
 
     model = make_net()
-    sharc.shard(model)
+    sharc.shard(model, group)
     return model, (model if mode == "eager" else torch.compile(model, backend="sharc"))
+
+
+def _in_own_groups(rank, world, fn, args_list):
+    """`fn(rank, world, *args, group)` for each args in turn, in one launch
+    (compiled mode pays the first compile's warm-up once): each run a fresh
+    model sharded over a process group of its own, its counters its own,
+    compiled anew."""
+    import torch.distributed as dist
+
+    return [fn(rank, world, *args, dist.new_group()) for args in args_list]
+
+
+def _cases_in_one_launch(fn, mode, cases):
+    """{case: per-rank results} of fn(rank, world, mode, case) for every case."""
+    runs = run_ranks(_in_own_groups, 2, fn, [(mode, case) for case in cases])
+    return {case: [r[i] for r in runs] for i, case in enumerate(cases)}
 
 
 def _grads(model):
@@ -60,10 +78,8 @@ def _losses(out):
     return out.pow(2).mean(), out.abs().mean(), out.mean() * 0.5
 
 
-def _retain(rank, world, mode, zero_between):
-    import sharc
-
-    model, step = _sharded(mode)
+def _retain(rank, world, mode, zero_between, group=None):
+    model, step = _sharded(mode, group)
     results = []
     for it in range(2):  # the second iteration runs on compiled graphs, not the trace
         model.zero_grad()
@@ -73,14 +89,19 @@ def _retain(rank, world, mode, zero_between):
             loss.backward(retain_graph=i < len(losses) - 1)
             if zero_between and i < len(losses) - 1:
                 model.zero_grad()
-        results.append((_grads(model), gathered_beyond_kept()))
+        results.append((_grads(model), gathered_beyond_kept(group)))
     return results
+
+
+@functools.cache
+def _retain_runs(mode):
+    return _cases_in_one_launch(_retain, mode, (False, True))
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("zero_between", [False, True])
 def test_three_backward_passes_over_one_forward(mode, zero_between):
-    results = run_ranks(_retain, 2, mode, zero_between)
+    results = _retain_runs(mode)[zero_between]
     for it in range(2):
         ref = make_net()
         x = torch.cat([batch(it, r, 2)[0] for r in range(2)])
@@ -122,14 +143,14 @@ def test_autograd_grad_with_respect_to_inputs(mode):
 MICRO = 3
 
 
-def _accumulate(rank, world, mode, sync_each):
+def _accumulate(rank, world, mode, sync_each, group=None):
     import sharc
 
-    model, step = _sharded(mode)
+    model, step = _sharded(mode, group)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stats = []
     for it in range(2):
-        sharc.reset_memory_stats()
+        sharc.reset_memory_stats(group)
         for m in range(MICRO):
             last = m == MICRO - 1
             with sharc.no_sync(model, enabled=not (sync_each or last)):
@@ -137,14 +158,19 @@ def _accumulate(rank, world, mode, sync_each):
         grads = _grads(model)
         opt.step()
         opt.zero_grad()
-        stats.append(sharc.memory_stats())
+        stats.append(sharc.memory_stats(group))
     return grads, sharc.full_state_dict(model), stats
+
+
+@functools.cache
+def _accumulate_runs(mode):
+    return _cases_in_one_launch(_accumulate, mode, (True, False))
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("sync_each", [True, False])
 def test_accumulation_equals_one_step_on_the_concatenated_batch(mode, sync_each):
-    results = run_ranks(_accumulate, 2, mode, sync_each)
+    results = _accumulate_runs(mode)[sync_each]
     ref = make_net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for it in range(2):
@@ -286,7 +312,7 @@ def test_kept_weight_stays_valid_and_is_reported():
 
 
 # -- a reference kept past release: an error on read (eager), a copy (compiled) ---
-def _escaped_reference(rank, world, mode, how):
+def _escaped_reference(rank, world, mode, how, group=None):
     import warnings
 
     import sharc
@@ -299,7 +325,7 @@ def _escaped_reference(rank, world, mode, how):
 
     if how == "hook before shard":
         model.b.register_forward_hook(keep)
-    sharc.shard(model)
+    sharc.shard(model, group)
     if how in ("hook after shard", "hook, no_grad"):
         model.b.register_forward_hook(keep)
     if how == "attribute":
@@ -330,18 +356,25 @@ def _escaped_reference(rank, world, mode, how):
     loss = step(*batch(2, rank, world)).pow(2).mean()  # training goes on unharmed
     loss.backward()
     warned = [str(w.message) for w in caught if "a compiled graph returns" in str(w.message)]
-    return errors, same, warned, loss.item(), sharc.memory_stats()
+    return errors, same, warned, loss.item(), sharc.memory_stats(group)
+
+
+ESCAPES = ("hook before shard", "hook after shard", "attribute", "hook, no_grad")
+
+
+@functools.cache
+def _escaped_runs(mode):
+    return _cases_in_one_launch(_escaped_reference, mode, ESCAPES)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("how", ["hook before shard", "hook after shard", "attribute",
-                                 "hook, no_grad"])
+@pytest.mark.parametrize("how", ESCAPES)
 def test_a_weight_kept_past_release_raises_on_read_or_is_a_copy(mode, how):
     """Eager: a `.detach()` escapes sharc's tracking of handed-out tensors,
     so its storage is freed at release and every read or write raises,
     naming the parameter. Compiled: the graph returns a copy (with a
     warning), valid while held. Never freed memory read as if valid."""
-    results = run_ranks(_escaped_reference, 2, mode, how)
+    results = _escaped_runs(mode)[how]
     for errors, same, warned, loss, stats in results:
         assert len(errors) == 6, errors
         if mode == "eager":
