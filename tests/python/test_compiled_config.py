@@ -12,25 +12,33 @@ from dist_harness import RankFailure, run_ranks
 from models import global_batch, make_parity_model, rank_slice
 
 
-def _step(rank, world, options):
+def _step(rank, world, options, group=None):
     import sharc
 
     model = make_parity_model()
-    sharc.shard(model)
+    sharc.shard(model, group)
     compiled = torch.compile(model, backend="sharc", options=options)
     x, y = global_batch(0, 2 * world)
     loss = compiled(rank_slice(x, rank, world), rank_slice(y, rank, world))
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), grads, sharc.memory_stats()
+    return loss.item(), grads, sharc.memory_stats(group)
+
+
+def _steps(rank, world, options_list):
+    """One `_step` per options in one launch (the first compile's warm-up
+    paid once), each a fresh model on its own process group, so its
+    collective counts are its own, compiled anew."""
+    import torch.distributed as dist
+
+    return [_step(rank, world, options, dist.new_group()) for options in options_list]
 
 
 def test_bucket_sizes_change_collective_counts_not_results():
-    fused = run_ranks(_step, 2, {"gather_bucket_bytes": 1 << 20, "reduce_bucket_bytes": 1 << 20})
-    single = run_ranks(_step, 2, {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0})
-    unbucketed = run_ranks(_step, 2, {"disable_passes": ("bucket_allgathers",)})
-    for (loss_f, grads_f, stats_f), (loss_s, grads_s, stats_s), (_, _, stats_u) in zip(
-            fused, single, unbucketed):
+    runs = run_ranks(_steps, 2, [{"gather_bucket_bytes": 1 << 20, "reduce_bucket_bytes": 1 << 20},
+                                 {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0},
+                                 {"disable_passes": ("bucket_allgathers",)}])
+    for (loss_f, grads_f, stats_f), (loss_s, grads_s, stats_s), (_, _, stats_u) in runs:
         assert stats_f["reduce_scatter_calls"] == 1  # the whole model fits one bucket
         assert stats_s["reduce_scatter_calls"] == len(grads_s)
         assert stats_f["allgather_calls"] < stats_s["allgather_calls"]
