@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 SMALL = ["--steps", "12", "--n-layer", "2", "--n-embd", "48", "--n-head", "2",
          "--seq-len", "32", "--batch-per-rank", "4", "--log-every", "4", "--lr", "3e-3",
          "--warmup-steps", "2", "--eval-every", "8", "--eval-batches", "2",
@@ -41,8 +43,17 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_train_starts_local_ranks_and_loss_falls(tmp_path):
-    r = _train("--run-dir", str(tmp_path / "run"))
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The SMALL job (fp32, eager, 2 local ranks) trained once for the tests
+    that read it: (the finished process, its run directory). A test that
+    changes the directory works on a copy."""
+    run = tmp_path_factory.mktemp("small") / "run"
+    return _train("--run-dir", str(run)), run
+
+
+def test_train_starts_local_ranks_and_loss_falls(small_run):
+    r, _ = small_run
     assert r.returncode == 0, r.stderr[-3000:]
     first, last = _losses(r.stdout)
     assert last < first - 0.3
@@ -80,10 +91,11 @@ def test_train_under_torchrun(tmp_path):
     assert "2 ranks (gloo)" in r.stdout
 
 
-def test_metrics_checkpoints_resume_and_plot(tmp_path):
-    run = str(tmp_path / "run")
-    r = _train("--run-dir", run)
+def test_metrics_checkpoints_resume_and_plot(small_run, tmp_path):
+    r, trained = small_run
     assert r.returncode == 0, r.stderr[-3000:]
+    run = str(tmp_path / "run")
+    shutil.copytree(trained, run)  # resumed below: a copy of the shared run
     records = _metrics(run)
     assert [m["step"] for m in records] == [4, 8, 12]
     assert [("val_loss" in m) for m in records] == [False, True, True]
@@ -108,8 +120,8 @@ def test_metrics_checkpoints_resume_and_plot(tmp_path):
     assert os.path.getsize(os.path.join(run, "metrics.png")) > 10_000
 
 
-def test_train_in_bf16_gathers_half_the_bytes(tmp_path):
-    r = _train("--steps", "4", "--sample-chars", "0", "--run-dir", str(tmp_path / "fp32"))
+def test_train_in_bf16_gathers_half_the_bytes(small_run, tmp_path):
+    r, fp32_run = small_run  # the same job in fp32
     assert r.returncode == 0, r.stderr[-3000:]
     assert "; fp32; run directory" in r.stdout
     r = _train("--dtype", "bf16", "--run-dir", str(tmp_path / "bf16"))
@@ -118,9 +130,10 @@ def test_train_in_bf16_gathers_half_the_bytes(tmp_path):
     assert last < first - 0.3
     assert "; bf16 mixed precision (fp32 shards and optimizer state);" in r.stdout
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bf16"
-    # The same first 4 steps: every parameter gathered in bf16, half of fp32's bytes,
-    # from fp32 shards of the same size.
-    fp32, bf16 = _metrics(tmp_path / "fp32")[0], _metrics(tmp_path / "bf16")[0]
+    # The same first 4 steps (the first metrics line of both): every parameter
+    # gathered in bf16, half of fp32's bytes, from fp32 shards of the same size.
+    fp32, bf16 = _metrics(fp32_run)[0], _metrics(tmp_path / "bf16")[0]
+    assert fp32["step"] == bf16["step"] == 4
     for a, b in zip(fp32["memory"], bf16["memory"]):
         assert b["allgather_bytes"] * 2 == a["allgather_bytes"] > 0
         assert b["shard_bytes"] == a["shard_bytes"]
