@@ -21,28 +21,40 @@ def _loss(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
+def in_own_groups(rank, world, fn, args_list):
+    """`fn(rank, world, *args, group)` for each args in turn, in one launch
+    of the ranks (so compiled runs pay the first compile's warm-up once),
+    each with a process group of its own: a run that shards its model over
+    it has counters, kept parameters and leftovers of its own, and a model
+    compiled anew. Returns one rank's results, in order."""
+    import torch.distributed as dist
+
+    return [fn(rank, world, *args, dist.new_group()) for args in args_list]
+
+
 def run_sharded(rank, world, make_model, batch, mode, steps, shard_config=None,
-                compile_options=None, train_step=None):
+                compile_options=None, train_step=None, group=None):
     """One rank's run: per-step losses, the shard gradients of the first
-    step, per-step peak and leftover gathered bytes, final full parameters."""
+    step, per-step peak and leftover gathered bytes, final full parameters.
+    The model is sharded over `group` (default: the world)."""
     import sharc
 
     model = make_model()
-    sharc.shard(model, config=shard_config)
+    sharc.shard(model, group, config=shard_config)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     step_fn = model if mode == "eager" else torch.compile(
         model, backend="sharc", options=compile_options)
     train_step = train_step or _default_step
     out = {"losses": [], "peaks": [], "left": [], "grads": None}
     for step in range(steps):
-        sharc.reset_memory_stats()
+        sharc.reset_memory_stats(group)
         loss = train_step(step_fn, batch(step, rank, world))
         if out["grads"] is None:
             out["grads"] = {n: None if p.grad is None else p.grad.clone()
                             for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-        stats = sharc.memory_stats()
+        stats = sharc.memory_stats(group)
         out["losses"].append(float(loss))
         out["peaks"].append(stats["peak_gathered_bytes"])
         out["left"].append(stats["gathered_bytes"])

@@ -13,6 +13,7 @@ import torch
 
 from dist_harness import RankFailure, run_ranks
 from models import global_batch, make_optimizer, make_parity_model, rank_slice
+from scenario import in_own_groups
 
 
 def _blocks(n_layer):
@@ -56,15 +57,6 @@ def _peaks(rank, world, options, group=None):
     return peaks, losses
 
 
-def _in_own_groups(rank, world, fn, args_list):
-    """`fn(rank, world, *args, group)` for each args in turn, in one launch:
-    each run a fresh model sharded over a process group of its own, so its
-    counters and kept parameters are its own, and compiled anew."""
-    import torch.distributed as dist
-
-    return [fn(rank, world, *args, dist.new_group()) for args in args_list]
-
-
 @functools.cache
 def _smallest_budget() -> int:
     """The 8-block model's smallest feasible budget, as the refusal of a
@@ -93,7 +85,7 @@ def _budget_runs():
     """Each budget of TIMES x the smallest: one launch, a fresh model
     compiled for each budget; {times: (budget, per-rank (peaks, losses))}."""
     budgets = [times * _smallest_budget() for times in TIMES]
-    runs = run_ranks(_in_own_groups, 2, _peaks,
+    runs = run_ranks(in_own_groups, 2, _peaks,
                      [({"memory_budget_bytes": b},) for b in budgets], timeout=600)
     return {times: (budget, [r[i] for r in runs])
             for i, (times, budget) in enumerate(zip(TIMES, budgets))}
@@ -133,7 +125,7 @@ def _backward_gathers(rank, world, profile, group=None):
 
 def test_selective_unsharding_saves_exactly_the_kept_parameters_backward_gathers():
     # Both runs in one launch, each model on its own group.
-    runs = run_ranks(_in_own_groups, 2, _backward_gathers, [(True,), (False,)], timeout=600)
+    runs = run_ranks(in_own_groups, 2, _backward_gathers, [(True,), (False,)], timeout=600)
     for (sent_kept, kept), (sent_plain, none_kept) in runs:
         assert kept and not none_kept
         # Each rank sends its shard, half the padded full bytes, per gather.
@@ -180,7 +172,7 @@ def _compiled_training(four_blocks: bool):
     """Every choice on that model compiled and trained in one launch, each a
     fresh model on its own process group: {choice: per-rank results}."""
     names = [n for n, (_, four) in CHOICES.items() if four == four_blocks]
-    runs = run_ranks(_in_own_groups, 2, _train,
+    runs = run_ranks(in_own_groups, 2, _train,
                      [(CHOICES[n][0], four_blocks) for n in names], timeout=600)
     return {name: [r[i] for r in runs] for i, name in enumerate(names)}
 
@@ -216,7 +208,7 @@ def _profiled_losses(rank, world, profile, group=None):
 def test_profiling_changes_no_result():
     # One launch, each model on its own group; both runs seed alike before
     # their first step (which compiles).
-    runs = run_ranks(_in_own_groups, 2, _profiled_losses, [(True,), (False,)], timeout=420)
+    runs = run_ranks(in_own_groups, 2, _profiled_losses, [(True,), (False,)], timeout=420)
     profiled, plain = ([r[i] for r in runs] for i in range(2))
     assert profiled == plain  # bitwise: the same dropout masks, the same sums
 

@@ -10,6 +10,7 @@ import torch
 
 from dist_harness import RankFailure, run_ranks
 from models import global_batch, make_parity_model, rank_slice
+from scenario import in_own_groups
 
 
 def _step(rank, world, options, group=None):
@@ -25,19 +26,13 @@ def _step(rank, world, options, group=None):
     return loss.item(), grads, sharc.memory_stats(group)
 
 
-def _steps(rank, world, options_list):
-    """One `_step` per options in one launch (the first compile's warm-up
-    paid once), each a fresh model on its own process group, so its
-    collective counts are its own, compiled anew."""
-    import torch.distributed as dist
-
-    return [_step(rank, world, options, dist.new_group()) for options in options_list]
-
-
 def test_bucket_sizes_change_collective_counts_not_results():
-    runs = run_ranks(_steps, 2, [{"gather_bucket_bytes": 1 << 20, "reduce_bucket_bytes": 1 << 20},
-                                 {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0},
-                                 {"disable_passes": ("bucket_allgathers",)}])
+    # The three in one launch, each a fresh model on its own process group
+    # (its collective counts its own), compiled anew.
+    runs = run_ranks(in_own_groups, 2, _step,
+                     [({"gather_bucket_bytes": 1 << 20, "reduce_bucket_bytes": 1 << 20},),
+                      ({"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0},),
+                      ({"disable_passes": ("bucket_allgathers",)},)])
     for (loss_f, grads_f, stats_f), (loss_s, grads_s, stats_s), (_, _, stats_u) in runs:
         assert stats_f["reduce_scatter_calls"] == 1  # the whole model fits one bucket
         assert stats_s["reduce_scatter_calls"] == len(grads_s)

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from dist_harness import run_ranks
 from models import gathered_beyond_kept, shard_of
+from scenario import in_own_groups
 
 MODES = ["eager", "compiled"]
 
@@ -46,19 +47,12 @@ def _sharded(mode, group=None):
     return model, (model if mode == "eager" else torch.compile(model, backend="sharc"))
 
 
-def _in_own_groups(rank, world, fn, args_list):
-    """`fn(rank, world, *args, group)` for each args in turn, in one launch
-    (compiled mode pays the first compile's warm-up once): each run a fresh
-    model sharded over a process group of its own, its counters its own,
-    compiled anew."""
-    import torch.distributed as dist
-
-    return [fn(rank, world, *args, dist.new_group()) for args in args_list]
-
-
 def _cases_in_one_launch(fn, mode, cases):
-    """{case: per-rank results} of fn(rank, world, mode, case) for every case."""
-    runs = run_ranks(_in_own_groups, 2, fn, [(mode, case) for case in cases])
+    """{case: per-rank results} of fn(rank, world, mode, case, group) for
+    every case, one after the other in one launch (compiled mode pays the
+    first compile's warm-up once), each a fresh model sharded over its own
+    process group, so its counters, warnings and leftovers are its own."""
+    runs = run_ranks(in_own_groups, 2, fn, [(mode, case) for case in cases])
     return {case: [r[i] for r in runs] for i, case in enumerate(cases)}
 
 
