@@ -13,10 +13,13 @@ compiled graph records each parameter's base storage as the graph runs:
   the optimizer changes its shard.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 
+import scenario
 from dist_harness import run_ranks
 
 _WATCHED: dict[str, tuple[object, int]] = {}  # name -> (runtime, parameter id)
@@ -56,16 +59,17 @@ class Chain(nn.Module):
         return probe(h, "after b, second use").square().mean()
 
 
-def _run(rank, world, prefetch):
+def _run(rank, world, prefetch, group=None):
     import sharc
 
     torch.manual_seed(0)
     model = Chain()
     eager = Chain()
     eager.load_state_dict(model.state_dict())
-    sharc.shard(model, config=sharc.ShardConfig(keep_gathered=("c.weight",)))
+    sharc.shard(model, group, config=sharc.ShardConfig(keep_gathered=("c.weight",)))
     sharc.shard(eager, group=torch.distributed.new_group())
     root = sharc.api.sharded_root(model)
+    _WATCHED.clear()
     for name in "abc":
         ref = next(r for r in root.refs_by_shard.values() if r.fqn == f"{name}.weight")
         _WATCHED[name] = (root.runtime, ref.pid)
@@ -95,9 +99,17 @@ def _run(rank, world, prefetch):
     return losses
 
 
+@functools.cache
+def _runs():
+    """Both schedules compiled and run in one launch, one after the other,
+    each model sharded over its own process group: {prefetch: per-rank}."""
+    runs = run_ranks(scenario.in_own_groups, 2, _run, [(False,), (True,)])
+    return {prefetch: [r[i] for r in runs] for i, prefetch in enumerate((False, True))}
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["at-use", "prefetched"])
 def test_release_frees_storage_at_its_scheduled_point(prefetch):
-    for losses in run_ranks(_run, 2, prefetch):
+    for losses in _runs()[prefetch]:
         c_pointers = set()
         for step, (loss, eager_loss, records) in enumerate(losses):
             # keep_gathered c sees every optimizer step: same losses as eager.

@@ -8,6 +8,8 @@ tensors that must match the first), a parametrized weight (weight_norm's
 `original0`/`original1`), a convolution, a bilinear layer, an embedding
 with a padding index and one with sparse gradients."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -92,15 +94,24 @@ def batch(step, rank, world):
     return torch.randn(2, 5, WIDTH, generator=g), torch.randn(2, generator=g)
 
 
-def _rank(rank, world, name, mode):
-    return scenario.run_sharded(rank, world, lambda: _make(name), batch, mode, 3)
+def _rank(rank, world, name, mode, group=None):
+    return scenario.run_sharded(rank, world, lambda: _make(name), batch, mode, 3, group=group)
+
+
+@functools.cache
+def _runs(mode):
+    """Every model trained in `mode` in one launch, one after the other, each
+    sharded over its own process group: {name: per-rank results}."""
+    names = sorted(MODELS)
+    runs = run_ranks(scenario.in_own_groups, 2, _rank, [(n, mode) for n in names], timeout=600)
+    return {name: [r[i] for r in runs] for i, name in enumerate(names)}
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_matches_single_process(name, mode):
     reference = scenario.run_reference(lambda: _make(name), batch, 2, 3)
-    results = run_ranks(_rank, 2, name, mode, timeout=300)
+    results = _runs(mode)[name]
     scenario.assert_matches_reference(results, reference, 2, rtol=1e-4, atol=1e-5)
 
 

@@ -3,6 +3,8 @@ each trained eager and compiled on 2 gloo ranks against one unsharded
 process (SGD, 10 steps): losses, first-step gradients, final parameters,
 nothing left gathered, no growth of the per-step peak."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -112,10 +114,19 @@ SCENARIOS = {
 }
 
 
-def _rank(rank, world, name, mode):
+def _rank(rank, world, name, mode, group=None):
     make, batch = SCENARIOS[name]
     return scenario.run_sharded(rank, world, make, batch, mode, 10,
-                                train_step=step_with_a_failed_forward)
+                                train_step=step_with_a_failed_forward, group=group)
+
+
+@functools.cache
+def _runs(mode):
+    """Every scenario trained in `mode` in one launch, one after the other,
+    each sharded over its own process group: {name: per-rank results}."""
+    names = sorted(SCENARIOS)
+    runs = run_ranks(scenario.in_own_groups, 2, _rank, [(n, mode) for n in names], timeout=480)
+    return {name: [r[i] for r in runs] for i, name in enumerate(names)}
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
@@ -123,5 +134,5 @@ def _rank(rank, world, name, mode):
 def test_matches_single_process(name, mode):
     make, batch = SCENARIOS[name]
     reference = scenario.run_reference(make, batch, 2, 10)
-    results = run_ranks(_rank, 2, name, mode)
+    results = _runs(mode)[name]
     scenario.assert_matches_reference(results, reference, 2)

@@ -7,6 +7,8 @@ The case that once crashed: `x * w[0] + w[1:].sum()`. The first use is
 inlined into the final add, which Inductor emitted after the release that
 followed the last use in graph order."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -70,7 +72,7 @@ CASES = {
 }
 
 
-def _compiled_with_code(rank, world, case):
+def _compiled_with_code(rank, world, case, group=None):
     import sharc
     from torch._inductor.utils import run_and_get_code
 
@@ -91,16 +93,25 @@ def _compiled_with_code(rank, world, case):
         return loss
 
     out = scenario.run_sharded(rank, world, make_model, batch, "compiled", 4,
-                               shard_config=config, train_step=first_step)
+                               shard_config=config, train_step=first_step, group=group)
     out["codes"] = codes
     return out
+
+
+@functools.cache
+def _runs():
+    """Every case compiled and trained in one launch, one after the other,
+    each sharded over its own process group: {case: per-rank results}."""
+    cases = sorted(CASES)
+    runs = run_ranks(scenario.in_own_groups, 2, _compiled_with_code, [(c,) for c in cases])
+    return {case: [r[i] for r in runs] for i, case in enumerate(cases)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_release_runs_after_every_read_in_generated_code(case):
     make_model, batch, _ = CASES[case]
     reference = scenario.run_reference(make_model, batch, 2, 4)
-    results = run_ranks(_compiled_with_code, 2, case)
+    results = _runs()[case]
     kept = 5 * 4 * 4 if case == "keep_gathered" else 0  # w stays gathered
     scenario.assert_matches_reference(results, reference, 2, kept=kept)
     for r in results:
