@@ -4,6 +4,8 @@ exactly: the bytes the CPU allocator holds at the end of forward, from
 torch.profiler's memory events, must stay far below one bf16 copy of a
 weight (128 KiB here), while the activations are a few KiB."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -55,10 +57,16 @@ def _forward_leftover(rank, world, mode, autocast, copy_weight):
     return out, grads
 
 
+@functools.cache
+def _run(mode, autocast, copy_weight):
+    """One launch per configuration, shared by the tests that read it."""
+    return run_ranks(_forward_leftover, 2, mode, autocast, copy_weight)
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("autocast,copy_weight", [(True, False), (False, True)])
 def test_no_parameter_copy_survives_forward(mode, autocast, copy_weight):
-    results = run_ranks(_forward_leftover, 2, mode, autocast, copy_weight)
+    results = _run(mode, autocast, copy_weight)
     for steps, _ in results:
         leftover, gathered, _ = steps[-1]
         assert gathered == 0
@@ -67,8 +75,8 @@ def test_no_parameter_copy_survives_forward(mode, autocast, copy_weight):
 
 
 def test_autocast_gradients_equal_eager_and_compiled():
-    eager = run_ranks(_forward_leftover, 2, "eager", True, False)
-    compiled = run_ranks(_forward_leftover, 2, "compiled", True, False)
+    eager = _run("eager", True, False)  # the autocast runs of the test above
+    compiled = _run("compiled", True, False)
     for (e_steps, e_grads), (c_steps, c_grads) in zip(eager, compiled):
         assert [s[2] for s in e_steps] == pytest.approx([s[2] for s in c_steps], rel=2e-2)
         for g_e, g_c in zip(e_grads, c_grads):
