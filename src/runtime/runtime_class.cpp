@@ -35,6 +35,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("is_persistent", &sharc::Runtime::is_persistent)
       .def("persistent_params", &sharc::Runtime::persistent_params)
       .def("drop_unheld", &sharc::Runtime::drop_unheld)
+      .def("begin_forward_graph", &sharc::Runtime::begin_forward_graph)
+      .def("end_forward_graph", &sharc::Runtime::end_forward_graph)
       .def("set_spec", &sharc::Runtime::set_spec)
       .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)
       .def("set_verify_schedule", &sharc::Runtime::set_verify_schedule)

@@ -97,6 +97,29 @@ void Runtime::queue_end_of_backward_locked() {
   }
 }
 
+void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const at::Tensor& input : inputs) {
+    if (!input.defined()) continue;
+    for (const auto& output : forward_outputs_) {
+      if (output.lock().get() == input.unsafeGetTensorImpl()) return;  // the pass goes on
+    }
+  }
+  if (std::optional<GatherBucket> stale = graphs_.end_pass(kForwardGraph)) {
+    drop_unheld_locked(stale->ids);
+  }
+}
+
+void Runtime::end_forward_graph(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  forward_outputs_.clear();
+  for (const at::Tensor& output : outputs) {
+    if (output.defined()) {
+      forward_outputs_.emplace_back(output.getIntrusivePtr());
+    }
+  }
+}
+
 void Runtime::end_backward_pass() {
   std::lock_guard<std::mutex> lock(mutex_);
   end_of_backward_queued_ = false;

@@ -2,7 +2,8 @@
 graph's first gather starts at the end of the graph before it (from the
 second step on, in the order recorded in the first), in forward and in
 backward; training is unchanged and nothing stays gathered, also when the
-graph that follows changes from one step to the next."""
+graph that follows changes from one step to the next, and between forward
+calls without backward (nothing is gathered ahead for the next call)."""
 
 import torch
 
@@ -102,3 +103,28 @@ def test_a_graph_that_does_not_follow_as_recorded_gives_its_prefetch_up():
         # What was gathered ahead for a graph that did not come is freed.
         assert compiled["left"] == [0] * STEPS
         assert sum(compiled["prefetches"]) > 0
+
+
+def _eval_calls(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Broken()
+    sharc.shard(model)
+    run = torch.compile(model, backend="sharc")
+    out = []
+    for step in range(STEPS):
+        sharc.reset_memory_stats()
+        with torch.no_grad():
+            loss = run(*_batch(step, rank, world))
+        stats = sharc.memory_stats()
+        out.append((loss.item(), stats["graph_prefetch_calls"],
+                    stats["gathered_bytes"] - stats["kept_gathered_bytes"]))
+    return out
+
+
+def test_forward_calls_without_backward_prefetch_within_a_call_only():
+    for calls in run_ranks(_eval_calls, 2):
+        assert [left for *_, left in calls] == [0] * STEPS  # nothing ahead for the next call
+        prefetches = [n for _, n, _ in calls]
+        assert prefetches[0] == 0 and all(n >= 1 for n in prefetches[1:]), prefetches

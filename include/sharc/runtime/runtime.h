@@ -153,6 +153,16 @@ class Runtime : public torch::CustomClassHolder {
   /// The autograd engine's call at the end of a backward pass that ran a
   /// compiled backward graph (see start_graph_gather).
   void end_backward_pass();
+  /// A compiled forward graph is about to run on `inputs`. Unless one of
+  /// them is an output of the forward graph that ran last (the very tensor),
+  /// a new forward pass begins here: the graph is nobody's follower, and a
+  /// bucket gathered ahead is given up. So only graphs that continue a
+  /// pass's dataflow follow one another, and nothing gathered ahead stays
+  /// gathered between two forward calls. Does not communicate.
+  void begin_forward_graph(const std::vector<at::Tensor>& inputs);
+  /// The forward graph that ran has returned `outputs` (held weakly, for the
+  /// next begin_forward_graph).
+  void end_forward_graph(const std::vector<at::Tensor>& outputs);
   /// Blocks until every one of `ids` is gathered, takes one hold on each and
   /// returns their true-shape full views (the compiled path's wait).
   std::vector<at::Tensor> wait_gather(const std::vector<int64_t>& ids);
@@ -347,6 +357,8 @@ class Runtime : public torch::CustomClassHolder {
   bool verify_schedule_ = false;
   GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
   bool end_of_backward_queued_ = false;
+  /// The outputs of the forward graph that ran last (begin_forward_graph).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> forward_outputs_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
   std::mutex costs_mutex_;  ///< guards costs_ (mutex_ is not held while measuring)
   std::mutex mutex_;  // autograd may run backward on a worker thread

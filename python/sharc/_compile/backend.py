@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from sharc._compile.in_place_writes import refuse_writes_to_gathered
+from sharc._compile.pass_order import gathered_group, in_pass_order
 from sharc._compile.recompute import RecomputeGathers, prepare_joint_graph
 from sharc._compile.schedule import schedule_graph
 from sharc.config import CompileConfig
@@ -38,11 +39,14 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
     lowerings.register()
 
     joint_pass = RecomputeGathers()
+    forward_groups: list[str] = []  # the group the forward graph gathers from
 
     def inner(graph_module, inputs, **kwargs):
         kind = ("backward" if kwargs.get("is_backward") else
                 "inference" if kwargs.get("is_inference") else "forward")
         scheduled = schedule_graph(graph_module, config, kind, joint_pass.read_in_backward)
+        if kind != "backward":
+            forward_groups.extend(filter(None, [gathered_group(scheduled.graph)]))
         return compile_fx_inner(scheduled, inputs, **kwargs)
 
     # Caches are keyed by graphs before sharc rewrites them, and what sharc
@@ -54,7 +58,8 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
                                reorder_for_peak_memory=False,
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner)
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+    return in_pass_order(compiled, forward_groups)
 
 
 def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
@@ -62,10 +67,13 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
     from torch._dynamo.backends.common import aot_autograd
 
     backward_reads: set[tuple[str, int]] = set()
+    forward_groups: list[str] = []  # the group the forward graph gathers from
 
     def compiler(kind):
         def compile_graph(graph_module, inputs):
             scheduled = schedule_graph(graph_module, config, kind, backward_reads)
+            if kind != "backward":
+                forward_groups.extend(filter(None, [gathered_group(scheduled.graph)]))
             return make_boxed_func(scheduled.forward)
         return compile_graph
 
@@ -78,7 +86,8 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
                            inference_compiler=compiler("inference"),
                            partition_fn=partition, keep_inference_input_mutations=True)
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return backend(gm, example_inputs)
+        compiled = backend(gm, example_inputs)
+    return in_pass_order(compiled, forward_groups)
 
 
 @functools.cache
