@@ -10,6 +10,11 @@
 // in later passes starts that gather at the end of the earlier graph (a
 // point in it the schedule marks, within its memory budget).
 //
+// Followers are recorded within a pass only: the runtime ends a backward
+// pass at the autograd engine's end-of-backward callback, and a forward pass
+// where a compiled forward reads nothing the previous forward graph returned
+// (end_pass), so nothing gathered ahead waits for the next call.
+//
 // A graph is known by its kind (forward or backward) and a key the bridge
 // derives from its schedule (the parameters of its last gather), never by
 // a compile counter: a graph recompiled on one rank only gets the same key
@@ -74,9 +79,10 @@ class GraphSequence {
   /// this gather serves some of its parameters otherwise.
   std::optional<GatherBucket> graph_gathers(int64_t kind, const GatherBucket& bucket);
 
-  /// The pass of `kind` is over (the backward's end): nothing that ended in
-  /// it is followed by what comes next (a graph of the next step). Returns
-  /// a bucket it started ahead and nobody took, to give up.
+  /// The pass of `kind` is over (the backward's end, or a forward graph
+  /// that starts a new forward pass): nothing that ended in it is followed
+  /// by what comes next. Returns a bucket it started ahead and nobody took,
+  /// to give up.
   std::optional<GatherBucket> end_pass(int64_t kind);
 
   /// The bucket started ahead and not taken yet, if any.
