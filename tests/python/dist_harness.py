@@ -48,7 +48,8 @@ def _context():
     second instead of importing torch anew, and still starts clean, from a
     process that never ran a test."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "sharc", "dist_harness"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                "torch._inductor.compile_fx", "sharc", "dist_harness"])
     return ctx
 
 
