@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,8 +45,39 @@ class Competitor:
 
 
 def fresh_model(config: GPTConfig = MODEL) -> GPT:
+    """The benchmark GPT, its modules given code objects of their own (see
+    _with_own_code), so that what one competitor's compiler records about
+    the model's code cannot change how another competitor runs."""
     torch.manual_seed(0)
-    return GPT(config)
+    model = GPT(config)
+    own_classes: dict[type, type] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls.__module__ == GPT.__module__:
+            if cls not in own_classes:
+                own_classes[cls] = _with_own_code(cls)
+            module.__class__ = own_classes[cls]
+    return model
+
+
+def _with_own_code(cls: type) -> type:
+    """A subclass of cls whose methods run copies of cls's code objects.
+
+    Dynamo keeps its decisions per code object, for every caller: a frame
+    it gave up on (FSDP2 compiled graph-breaks in a way it cannot resume,
+    and is then run uncompiled for good) and the recompile count that ends
+    compiling a frame. Without a copy of its own, every competitor that
+    runs after FSDP2 compiled would find GPT.forward skipped, and the
+    blocks compiled one frame each until the recompile limit."""
+    methods = {}
+    for name, fn in vars(cls).items():
+        if isinstance(fn, types.FunctionType):
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+            copy.__qualname__, copy.__kwdefaults__ = fn.__qualname__, fn.__kwdefaults__
+            methods[name] = copy
+    methods["__module__"] = cls.__module__
+    return type(cls.__name__, (cls,), methods)
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
