@@ -14,6 +14,8 @@ step (host time blocked waiting on all-gathers and reduce-scatters) and the
 peak of gathered bytes. Step time is the median over interleaved rounds
 (each round times a few steps of every competitor in turn, so machine noise
 hits all of them alike), after warm-up steps that include compilation.
+Each competitor's model runs code objects of its own (_common.fresh_model),
+so no competitor's compiler changes how another's model runs.
 
 Peak memory per rank is exact byte accounting, in two parts:
   resident: bytes of the parameters, gradients and optimizer state this rank

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from sharc import _full_param_access, _state_dict_hooks, _validate, mixed_precision
+from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._eager_schedule import EagerSchedule, GatherUnit
 from sharc._rank_check import RankCheck
 from sharc._library import Runtime
@@ -79,6 +80,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         _install_unit(unit, runtime, root.refs_by_shard, schedule)
     if config.mixed_precision is not None:
         mixed_precision.install_casts(module, config.mixed_precision)
+    RECOMPILE_ROOM.add(module)
     return module
 
 
