@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import types
+import weakref
 
 import torch
 import torch._dynamo.config as dynamo_config
@@ -27,21 +28,23 @@ _log = logging.getLogger("sharc")
 
 
 class RecompileRoom:
-    """Counts sharded modules by the code object of their forward, across
-    the models sharded in this process (a code object's cache entries are
-    shared by every caller), and keeps Dynamo's limits above the count."""
+    """Counts the live sharded modules by the code object of their forward,
+    across the models sharded in this process (a code object's cache
+    entries are shared by every caller), and keeps Dynamo's limits above
+    the count."""
 
     def __init__(self) -> None:
-        self._instances: collections.Counter[types.CodeType] = collections.Counter()
+        self._instances: dict[types.CodeType, weakref.WeakSet] = collections.defaultdict(
+            weakref.WeakSet)
         self._allowance: int | None = None  # the limit as found, before sharc raised it
 
     def add(self, root: torch.nn.Module) -> None:
         for module in root.modules():
             code = _forward_code(module)
             if code is not None:
-                self._instances[code] += 1
+                self._instances[code].add(module)
         if self._instances:
-            self._raise_limits(max(self._instances.values()))
+            self._raise_limits(max(len(live) for live in self._instances.values()))
 
     def _raise_limits(self, instances: int) -> None:
         if self._allowance is None:
