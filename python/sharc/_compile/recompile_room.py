@@ -47,6 +47,8 @@ class RecompileRoom:
             self._raise_limits(max(len(live) for live in self._instances.values()))
 
     def _raise_limits(self, instances: int) -> None:
+        if not hasattr(dynamo_config, "accumulated_recompile_limit"):
+            return  # an older torch names its limits otherwise: left as they are
         if self._allowance is None:
             self._allowance = dynamo_config.recompile_limit
         needed = instances + self._allowance
