@@ -10,9 +10,14 @@ stopped and `launch` raises `LaunchError` with the failing rank's traceback.
 A rank can also fail and then not return at all, e.g. by sleeping or waiting
 in a `finally` block of its own. Each rank's watcher thread reports an
 exception its main thread has been handling for a watch period; a rank that
-has been handling one for `_HANDLING_GRACE_S` while another rank goes on
-without one (waiting for it in a collective, most likely) counts as failed,
-and the job stops, naming that rank and its traceback. When every rank is
+has been handling one for `handling_grace_s` (10 s by default) while another
+rank goes on without one (waiting for it in a collective, most likely)
+counts as failed, and the job stops, naming that rank and its traceback. A
+rank cannot tell a `finally` that never ends from an `except` block that
+takes long (a retry's back-off, a fallback download), so the grace is a
+trade: long enough for a handler that recovers, short enough to stop a
+stuck job within seconds; `launch(..., handling_grace_s=None)` turns the
+check off (the collective timeout still applies). When every rank is
 handling an exception (all ranks saving a last checkpoint before they
 re-raise, say), nobody is stopped: they may be working together. A rank
 stuck any other way is caught when the others' collectives time out
@@ -50,7 +55,8 @@ own default is 30 minutes for gloo, 10 for NCCL)."""
 _WATCH_PERIOD_S = 0.25
 _EXIT_GRACE_S = 30.0
 _SETTLE_S = 2.0  # after a first failure, for the rest to exit or report
-_HANDLING_GRACE_S = 5.0  # an exception handled this long, alone, is a failure
+DEFAULT_HANDLING_GRACE_S = 10.0
+"""How long a rank may handle an exception alone before it counts as failed."""
 
 
 class LaunchError(RuntimeError):
@@ -85,7 +91,8 @@ def _as_timeout(timeout: timedelta | float | None) -> timedelta:
 
 
 def launch(fn: Callable, nproc: int, backend: str = "gloo", args: tuple = (),
-           timeout: timedelta | float | None = None) -> None:
+           timeout: timedelta | float | None = None,
+           handling_grace_s: float | None = DEFAULT_HANDLING_GRACE_S) -> None:
     """Runs fn(*args) on every rank with the default process group set up.
 
     Under torchrun this process is one rank; otherwise `nproc` local ranks are
@@ -93,7 +100,9 @@ def launch(fn: Callable, nproc: int, backend: str = "gloo", args: tuple = (),
     rank fails, all are stopped within seconds and `LaunchError` is raised
     with the failing rank's traceback (see [Note: failing fast]). `timeout`
     (seconds or a timedelta, default `DEFAULT_TIMEOUT`) bounds how long a
-    collective waits for the other ranks.
+    collective waits for the other ranks; `handling_grace_s` how long a
+    local rank may handle an exception while another runs on (None: no
+    limit).
     """
     timeout = _as_timeout(timeout)
     if not callable(fn):
@@ -103,8 +112,11 @@ def launch(fn: Callable, nproc: int, backend: str = "gloo", args: tuple = (),
         return
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be an int of at least 1, got {nproc!r}")
+    if handling_grace_s is not None and not handling_grace_s > 0:
+        raise ValueError(f"handling_grace_s must be a positive number of seconds or None, "
+                         f"got {handling_grace_s!r}")
     _check_picklable(fn, args)
-    _LocalJob(nproc, backend, timeout).run(fn, args)
+    _LocalJob(nproc, backend, timeout, handling_grace_s).run(fn, args)
 
 
 def _check_picklable(fn: Callable, args: tuple) -> None:
@@ -230,9 +242,10 @@ class _Rank:
         return self.error is not None or (code is not None and code != 0) or (
             code == 0 and not self.done and self.conn is None)
 
-    def stuck_handling(self, now: float) -> bool:
+    def stuck_handling(self, now: float, grace_s: float | None) -> bool:
         """Handling one exception for longer than the grace period."""
-        return self.handling is not None and now - self.handling[0] > _HANDLING_GRACE_S
+        return (grace_s is not None and self.handling is not None
+                and now - self.handling[0] > grace_s)
 
     def running_clean(self) -> bool:
         """Alive, not finished, and handling no exception."""
@@ -242,10 +255,12 @@ class _Rank:
 class _LocalJob:
     """N local ranks, watched until all succeed or the first one fails."""
 
-    def __init__(self, nproc: int, backend: str, timeout: timedelta) -> None:
+    def __init__(self, nproc: int, backend: str, timeout: timedelta,
+                 handling_grace_s: float | None) -> None:
         self.nproc = nproc
         self.backend = backend
         self.timeout = timeout
+        self.handling_grace_s = handling_grace_s
         self.ranks: list[_Rank] = []
 
     def run(self, fn: Callable, args: tuple) -> None:
@@ -296,7 +311,7 @@ class _LocalJob:
         """Ranks handling an exception past the grace period while another
         rank runs on without one (see [Note: failing fast])."""
         now = time.time()
-        stuck = [r.rank for r in self.ranks if r.stuck_handling(now)]
+        stuck = [r.rank for r in self.ranks if r.stuck_handling(now, self.handling_grace_s)]
         if stuck and any(r.running_clean() for r in self.ranks):
             return stuck
         return []

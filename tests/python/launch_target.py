@@ -10,6 +10,8 @@ Every rank all-reduces six times; in "step 3" rank 1 fails as MODE says:
   save     every rank raises; in its finally block each waits SAVE_S (longer
            than the launcher's grace for a rank handling an exception), then
            all save together (an all-reduce) and say so
+  retry    rank 1 catches the exception and backs off RETRY_S in its except
+           block (shorter than the grace) while rank 0 waits, then goes on
 """
 
 import os
@@ -24,7 +26,8 @@ import sharc.launch
 from sharc.launch import launch
 
 LINGER_GRACE_S = 2.0
-SAVE_S = 8.0
+SAVE_S = 12.0  # > sharc.launch.DEFAULT_HANDLING_GRACE_S
+RETRY_S = 7.0  # < sharc.launch.DEFAULT_HANDLING_GRACE_S
 
 
 def step3(rank):
@@ -36,6 +39,12 @@ def fail_in_step3(rank, mode):
         os._exit(3)
     if mode in ("thread", "linger"):
         threading.Thread(target=time.sleep, args=(600,)).start()
+    if mode == "retry":
+        try:
+            step3(rank)
+        except RuntimeError:
+            time.sleep(RETRY_S)  # a back-off before trying again
+        return
     if mode not in ("ok", "linger"):
         step3(rank)
 

@@ -46,6 +46,14 @@ def test_ranks_all_handling_an_exception_are_left_to_finish_it():
     assert "failed first (RuntimeError: boom at step 3 on rank" in r.stderr, r.stderr[-3000:]
 
 
+def test_a_rank_recovering_in_its_except_block_is_left_to_recover():
+    # Rank 1 backs off 7 s in an except block while rank 0 waits in an
+    # all-reduce: shorter than the grace, so the job goes on and finishes.
+    r, _ = _run([sys.executable, TARGET, "retry"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "job finished" in r.stdout
+
+
 def test_rank_kept_alive_after_raising_with_the_default_timeout():
     # The exception left the rank's function: the job stops at once, without
     # waiting for any collective timeout.
