@@ -159,6 +159,7 @@ def _views_as_copies(out, copy: OutsideForwardCopy):
     if isinstance(out, (tuple, list)):
         return type(out)(_views_as_copies(o, copy) for o in out)
     if (not isinstance(out, torch.Tensor) or isinstance(out, OutsideForwardCopy)
+            or out.layout != torch.strided  # sparse results have no storage to share
             or out.untyped_storage().data_ptr() != copy.untyped_storage().data_ptr()):
         return out
     view = out.as_subclass(OutsideForwardCopy)

@@ -70,6 +70,7 @@ def _errors(rank, world):
     logged = model[2].weight
     errors["reads"] = (logged.norm().item() > 0, type(logged * 2) is torch.Tensor)
     errors["own_copy"] = type(logged.clone()) is torch.Tensor  # a clone is the user's own
+    errors["sparse"] = torch.equal(logged.to_sparse().to_dense(), logged)  # no storage to view
     try:
         with sharc.unsharded(model, writeback=True):
             if rank == 1:
@@ -95,6 +96,7 @@ def test_lost_or_diverging_writes_raise():
         assert "__setitem__ on it would change the copy only" in errors["index"]
         assert errors["reads"] == (True, True)  # reading it works, results are tensors
         assert errors["own_copy"]
+        assert errors["sparse"]
         assert "sharc.unsharded(model, writeback=True)" in errors["outside"]
         assert "changed the parameters differently (first: '0.weight')" in errors["one_rank"]
         assert "cannot assign a new tensor to the sharded parameter '0.weight'" in \
