@@ -28,9 +28,12 @@ class TwoLayers(nn.Module):
 
 
 def _net_bytes(fn):
-    """(result, bytes allocated and not freed while fn ran)."""
+    """(result, bytes allocated and not freed while fn ran), on every thread:
+    a collective's input is freed by whichever thread drops it last, often
+    the communication thread."""
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
+                                profile_memory=True, experimental_config=every_thread) as prof:
         out = fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     return out, sum(e.nbytes() for e in events)
