@@ -3,12 +3,23 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/version.h>
 
+#include <chrono>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "sharc/core/error.h"
 
 namespace sharc {
+
+void release_waited(c10::intrusive_ptr<c10d::Work>& work) {
+  if (!work) return;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  work.reset();
+}
 
 Communicator::Communicator(const std::string& group_name)
     : group_name_(group_name), group_(c10::intrusive_ptr<c10d::ProcessGroup>()) {
@@ -62,7 +73,9 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& out,
 namespace {
 
 // A reduce-scatter done as an all-to-all (rank r receives every rank's
-// slice r) and a sum of what arrived, which wait() adds into the output.
+// slice r) and a sum of what arrived, which wait() adds into the output:
+// the output is only valid once wait() returned, whatever isCompleted()
+// said before.
 class SumAfterAllToAll : public c10d::Work {
  public:
   SumAfterAllToAll(c10::intrusive_ptr<c10d::Work> exchange, at::Tensor received,
@@ -70,27 +83,38 @@ class SumAfterAllToAll : public c10d::Work {
       : exchange_(std::move(exchange)), received_(std::move(received)),
         out_(std::move(out)), world_(world) {}
 
-  // Blocks until the exchange is done, then sums (once) on this thread.
+  // Blocks until the exchange is done, then sums (once) on this thread and
+  // lets the exchange go (its input, the caller's gradient bucket, with it).
   bool wait(std::chrono::milliseconds timeout) override {
-    exchange_->wait(timeout);
-    std::lock_guard<std::mutex> lock(sum_mutex_);
-    if (received_.defined()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (exchange_) {
+      exchange_->wait(timeout);
       at::sum_out(out_, received_.view({world_, -1}), {0});
       received_ = at::Tensor();
+      release_waited(exchange_);
     }
     return true;
   }
 
-  bool isCompleted() override { return exchange_->isCompleted(); }
-  bool isSuccess() const override { return exchange_->isSuccess(); }
-  std::exception_ptr exception() const override { return exchange_->exception(); }
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !exchange_ || exchange_->isCompleted();
+  }
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !exchange_ || exchange_->isSuccess();
+  }
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return exchange_ ? exchange_->exception() : nullptr;
+  }
 
  private:
-  c10::intrusive_ptr<c10d::Work> exchange_;
+  c10::intrusive_ptr<c10d::Work> exchange_;  ///< null once waited on
   at::Tensor received_;
   at::Tensor out_;
   int64_t world_;
-  std::mutex sum_mutex_;
+  mutable std::mutex mutex_;
 };
 
 }  // namespace

@@ -194,13 +194,17 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
     accounting_.on_gathered(gather->staging.nbytes());
     output = gather->staging;
   }
+  gather->on_cpu = input.is_cpu();
   gather->work = comm_.all_gather(output, input);
   accounting_.on_allgather_sent((comm_.world_size() - 1) * static_cast<int64_t>(input.nbytes()));
 }
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
   RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
-  if (gather.work) accounting_.on_gather_wait(timed_wait(*gather.work));
+  if (gather.work) {
+    accounting_.on_gather_wait(timed_wait(*gather.work));
+    if (gather.on_cpu) release_waited(gather.work);  // frees the (cast) shard sent here
+  }
   gather.work.reset();
   const int64_t world = comm_.world_size();
   for (size_t i = 0; i < gather.ids.size(); ++i) {

@@ -99,6 +99,9 @@ void Runtime::queue_end_of_backward_locked() {
 
 void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A backward that raised never ran its final callbacks: a forward means
+  // whatever backward queued one is over, so the next one queues its own.
+  end_of_backward_queued_ = false;
   for (const at::Tensor& input : inputs) {
     if (!input.defined()) continue;
     for (const auto& output : forward_outputs_) {

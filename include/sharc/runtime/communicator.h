@@ -14,6 +14,16 @@
 
 namespace sharc {
 
+/// Drops a Work that was waited on, after giving the communication thread
+/// that ran it a moment to drop its own reference first. Whoever drops the
+/// last reference frees the collective's input (a cast shard, a gradient
+/// bucket), and gloo's thread lets go of a work just after completing it:
+/// left to chance, the buffer is freed whenever that thread runs next (and
+/// out of sight of per-thread allocator tracing). Only for CPU works, and
+/// bounded (a millisecond): a backend that keeps its works longer is not
+/// waited for.
+void release_waited(c10::intrusive_ptr<c10d::Work>& work);
+
 class Communicator {
  public:
   /// Resolves the group by the name c10d registered it under

@@ -38,6 +38,7 @@ struct GatherInFlight {
   at::Tensor staging;            ///< buckets only: world_size rows of the shards
   std::vector<int64_t> ids;      ///< parameters served, in staging order
   std::vector<int64_t> offsets;  ///< each one's column offset within a row
+  bool on_cpu = false;           ///< sent from host memory (see release_waited)
 };
 
 /// A reduce-scatter in flight, found by the token start_reduce_scatter
