@@ -63,7 +63,11 @@ class RecompileRoom:
 
 
 def _forward_code(module: torch.nn.Module) -> types.CodeType | None:
+    """The code a call of `module` runs; None for containers that are never
+    called (ModuleList, ModuleDict: their forward raises)."""
     forward = getattr(type(module), "forward", None)
+    if forward is torch.nn.Module.forward:  # the shared "not implemented" stub
+        return None
     return getattr(forward, "__code__", None)
 
 
