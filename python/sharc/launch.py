@@ -112,9 +112,10 @@ def launch(fn: Callable, nproc: int, backend: str = "gloo", args: tuple = (),
         return
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be an int of at least 1, got {nproc!r}")
-    if handling_grace_s is not None and not handling_grace_s > 0:
-        raise ValueError(f"handling_grace_s must be a positive number of seconds or None, "
-                         f"got {handling_grace_s!r}")
+    if handling_grace_s is not None and (isinstance(handling_grace_s, bool) or not isinstance(
+            handling_grace_s, (int, float)) or not handling_grace_s > 0):
+        raise ValueError(f"launch(handling_grace_s=...) must be a positive number of seconds "
+                         f"or None, got {handling_grace_s!r}")
     _check_picklable(fn, args)
     _LocalJob(nproc, backend, timeout, handling_grace_s).run(fn, args)
 

@@ -70,6 +70,15 @@ def test_launch_bad_timeout(timeout):
         launch(print, 1, timeout=timeout)
 
 
+@pytest.mark.parametrize("grace", [0, -1.0, "10", True])
+def test_launch_bad_handling_grace(grace):
+    from sharc.launch import launch
+
+    with pytest.raises(ValueError, match=r"launch\(handling_grace_s=...\) must be a positive "
+                                         r"number of seconds or None"):
+        launch(print, 1, handling_grace_s=grace)
+
+
 def test_launch_fn_that_cannot_reach_the_ranks():
     from sharc.launch import launch
 
