@@ -1,5 +1,6 @@
 #include "sharc/compiler/ir.h"
 
+#include <algorithm>
 #include <cctype>
 #include <sstream>
 
@@ -57,6 +58,27 @@ int64_t Graph::value_bytes(const std::string& value) const {
   throw Error(detail::concat("sharc ir: unknown value %", value));
 }
 
+SizeBindings Graph::size_hints() const {
+  SizeBindings hints;
+  for (const auto& [symbol, hint] : size_symbols) {
+    if (hint) hints[symbol] = *hint;
+  }
+  return hints;
+}
+
+int64_t Graph::value_bytes(const std::string& value, const SizeBindings& sizes) const {
+  for (const Node& n : nodes) {
+    if (n.kind == NodeKind::Wait || !n.bytes_expr) continue;
+    for (const std::string& out : n.outputs) {
+      if (out != value) continue;
+      SizeBindings all = size_hints();
+      for (const auto& [symbol, size] : sizes) all[symbol] = size;
+      return SizeExpr::parse(*n.bytes_expr).evaluate(all);
+    }
+  }
+  return value_bytes(value);  // a static size
+}
+
 // ---------------------------------------------------------------- parsing
 
 namespace {
@@ -78,6 +100,12 @@ std::vector<std::string> tokenize(const std::string& line, int lineno) {
       size_t end = i;
       while (end < line.size() && !std::isspace(static_cast<unsigned char>(line[end])) &&
              line[end] != ',') {
+        if (line[end] == '"') {  // key="quoted value", spaces and commas included
+          const size_t close = line.find('"', end + 1);
+          SHARC_CHECK(close != std::string::npos, "sharc ir line ", lineno,
+                      ": unterminated string");
+          end = close;
+        }
         ++end;
       }
       tokens.push_back(line.substr(i, end - i));
@@ -112,10 +140,25 @@ std::string dtype_name(const std::string& value, int lineno) {
   return value;
 }
 
+// The text of `sym="EXPR"`, checked to parse.
+std::string size_expression(const std::string& quoted, int lineno) {
+  SHARC_CHECK(quoted.size() >= 2 && quoted.front() == '"' && quoted.back() == '"',
+              "sharc ir line ", lineno, ": expected sym=\"EXPR\", got sym=", quoted);
+  const std::string text = quoted.substr(1, quoted.size() - 2);
+  try {
+    SizeExpr::parse(text);
+  } catch (const Error& e) {
+    throw Error(detail::concat("sharc ir line ", lineno, ": ", e.what()));
+  }
+  return text;
+}
+
 void parse_attribute(Node& node, const std::string& key, const std::string& value,
                      int lineno) {
   if (key == "bytes") {
     node.bytes = std::stoll(value);
+  } else if (key == "sym") {
+    node.bytes_expr = size_expression(value, lineno);
   } else if (key == "cost") {
     node.cost = std::stod(value);
   } else if (key == "grad") {
@@ -206,6 +249,37 @@ Param parse_param(const std::vector<std::string>& tokens, int lineno) {
   return param;
 }
 
+// An identifier that a size expression reads as a symbol (not Max or Min).
+bool is_symbol_name(const std::string& name) {
+  if (name.empty() || name == "Max" || name == "Min") return false;
+  if (std::isdigit(static_cast<unsigned char>(name[0]))) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+  });
+}
+
+// `size NAME [hint=N]`: a size symbol and the value it had when compiled.
+void parse_size_symbol(Graph& graph, const std::vector<std::string>& tokens, int lineno) {
+  constexpr const char* form = "'size NAME [hint=N]'";
+  SHARC_CHECK(tokens.size() == 2 || tokens.size() == 3, "sharc ir line ", lineno,
+              ": expected ", form);
+  const std::string& name = tokens[1];
+  SHARC_CHECK(is_symbol_name(name), "sharc ir line ", lineno, ": '", name,
+              "' is not a symbol name; expected ", form);
+  std::optional<int64_t> hint;
+  if (tokens.size() == 3) {
+    SHARC_CHECK(tokens[2].rfind("hint=", 0) == 0, "sharc ir line ", lineno,
+                ": unexpected '", tokens[2], "'; expected ", form);
+    try {
+      hint = std::stoll(tokens[2].substr(5));
+    } catch (const std::logic_error&) {
+      throw Error(detail::concat("sharc ir line ", lineno, ": bad value in '", tokens[2], "'"));
+    }
+  }
+  SHARC_CHECK(graph.size_symbols.emplace(name, hint).second, "sharc ir line ", lineno,
+              ": size symbol ", name, " declared twice");
+}
+
 Node parse_node(const std::vector<std::string>& tokens, int lineno) {
   Node node;
   size_t i = 0;
@@ -243,6 +317,8 @@ Graph parse(const std::string& text) {
       SHARC_CHECK(graph.params.count(p.id) == 0, "sharc ir line ", lineno,
                   ": parameter @", p.id, " declared twice");
       graph.params[p.id] = p;
+    } else if (tokens[0] == "size") {
+      parse_size_symbol(graph, tokens, lineno);
     } else {
       graph.nodes.push_back(parse_node(tokens, lineno));
     }
@@ -275,7 +351,8 @@ void print_node(std::ostream& out, const Node& n) {
       out << " %" << o.value;
     }
   }
-  if (n.bytes) out << " bytes=" << n.bytes;
+  if (n.bytes || n.bytes_expr) out << " bytes=" << n.bytes;
+  if (n.bytes_expr) out << " sym=\"" << *n.bytes_expr << "\"";
   if (n.grad_of) out << " grad=@" << *n.grad_of;
   if (n.cast) out << " cast=" << *n.cast;
   if (n.cost) out << " cost=" << *n.cost;
@@ -290,6 +367,11 @@ std::string print(const Graph& graph) {
     out << "param @" << id << " \"" << p.name << "\" bytes=" << p.bytes;
     if (p.dtype) out << " dtype=" << *p.dtype;
     if (p.kept) out << " kept";
+    out << "\n";
+  }
+  for (const auto& [name, hint] : graph.size_symbols) {
+    out << "size " << name;
+    if (hint) out << " hint=" << *hint;
     out << "\n";
   }
   for (const Node& n : graph.nodes) {

@@ -60,6 +60,7 @@ class Verifier {
   }
 
   void visit(size_t index, const Node& n) {
+    if (n.bytes_expr) check_symbolic_size(index, n);
     switch (n.kind) {
       case NodeKind::Input:
         for (int64_t p : n.params) {
@@ -88,6 +89,44 @@ class Verifier {
         break;
     }
     define(index, n);
+  }
+
+  // A symbolic size reads declared symbols only, equals `bytes=` at the
+  // hints, and never belongs to a parameter's gradient: buckets are sized
+  // from gradient bytes, so those must hold for every size the graph sees.
+  void check_symbolic_size(size_t index, const Node& n) {
+    if (n.kind != NodeKind::Input && n.kind != NodeKind::Compute) {
+      fail(index, "a ", to_string(n.kind), " node has no size of its own to make symbolic");
+      return;
+    }
+    if (n.grad_of) {
+      fail(index, "the gradient of @", *n.grad_of, " has a symbolic size (\"", *n.bytes_expr,
+           "\"); a parameter's gradient has the parameter's static size");
+    }
+    try {
+      check_size_at_hints(index, n, SizeExpr::parse(*n.bytes_expr));
+    } catch (const Error& e) {
+      fail(index, e.what());
+    }
+  }
+
+  void check_size_at_hints(size_t index, const Node& n, const SizeExpr& expr) {
+    bool hinted = true;
+    for (const std::string& s : expr.symbols()) {
+      auto it = graph_.size_symbols.find(s);
+      if (it == graph_.size_symbols.end()) {
+        fail(index, "size \"", *n.bytes_expr, "\" reads ", s,
+             ", which no line 'size ", s, " [hint=N]' declares");
+        return;
+      }
+      hinted = hinted && it->second.has_value();
+    }
+    if (!hinted) return;  // a data-dependent size: bytes= is a guess
+    const int64_t at_hints = expr.evaluate(graph_.size_hints());
+    if (at_hints != n.bytes) {
+      fail(index, "bytes=", n.bytes, " but its size \"", *n.bytes_expr, "\" is ", at_hints,
+           " at the size hints");
+    }
   }
 
   void visit_gather(size_t index, const Node& n) {

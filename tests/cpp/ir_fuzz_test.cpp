@@ -65,6 +65,14 @@ const std::vector<std::string> kCorpus = {
     "%z = compute \"add\" %y %b bytes=16\n"
     "release @1 after %z %wb\n"
     "output %z\n",
+    "param @0 \"w\" bytes=64\n"
+    "size s0 hint=16\n"
+    "size u0\n"
+    "%x = input bytes=64 sym=\"4*s0\"\n"
+    "%y = compute \"mm\" %x @0 bytes=56 sym=\"4*(s0 - 2)\"\n"
+    "%k = compute \"nonzero\" %y bytes=0 sym=\"Max(8*u0, (s0//3) % 5)\"\n"
+    "%dw = compute \"mm_grad\" %x %y bytes=64 grad=@0\n"
+    "output %y %k\n",
 };
 
 // Fragments that hit the tokenizer's and parser's special cases.
@@ -78,6 +86,9 @@ const std::vector<std::string> kFragments = {
     "\"unterminated", "==", "%a, %b =", "= input", "frobnicate", "\xff\xfe", std::string(1, '\0'),
     "dtype=", "dtype=float32", "dtype=bfloat16", "dtype=int8", "dtype=odd_type", "dtype=@0",
     "cast=", "cast=bfloat16", "cast=float16", "cast=float64", "cast=%x", "cast=8bit",
+    "size", "size s0", "size s1 hint=3", "hint=", "hint=-1", "sym=", "sym=\"\"", "sym=\"s0\"",
+    "sym=\"s9*2\"", "sym=\"(\"", "sym=\"1//0\"", "sym=\"2**99\"", "**", "//", "%", "Max(",
+    "Min(s0,", ")", "-", "sym=\"Max(s0, 3)\"",
 };
 
 using Rng = std::mt19937_64;
@@ -171,6 +182,10 @@ void exercise(const Graph& graph, const std::string& text) {
       try {
         graph.value_bytes(v);
       } catch (const Error&) {  // a wait on something that is no gather: reported, fine
+      }
+      try {  // symbolic sizes at other sizes: an unbound symbol or overflow is an Error
+        graph.value_bytes(v, {{"s0", 7}, {"s1", 1 << 20}, {"u0", 3}});
+      } catch (const Error&) {
       }
     }
   }

@@ -168,5 +168,59 @@ TEST(IrText, BadInputNamesTheLine) {
   EXPECT_THROW(parse("%x = compute \"unterminated\n"), Error);
 }
 
+// A graph compiled with dynamic shapes: what the bridge writes for a
+// 2-layer model over a sequence of length s0 (hint 16) and a convolution's
+// output size, which torch prints with spaces and minus signs.
+const char* kSymbolic = R"(
+param @0 "fc.weight" bytes=4096
+size s0 hint=16
+size u0
+%x = input bytes=1024 sym="64*s0"
+%y = compute "mm" %x @0 bytes=2048 sym="128*s0" cost=2
+%z = compute "conv" %y bytes=3136 sym="4*(s0 - 2)**2*4"
+%k = compute "nonzero" %z bytes=0 sym="8*u0"
+%dw = compute "mm" %x %y bytes=4096 grad=@0
+output %z %k
+)";
+
+TEST(IrText, SymbolicSizesRoundTrip) {
+  const Graph g = parse(kSymbolic);
+  EXPECT_EQ(g.size_symbols.at("s0"), std::optional<int64_t>(16));
+  EXPECT_FALSE(g.size_symbols.at("u0").has_value());
+  EXPECT_EQ(*g.nodes[1].bytes_expr, "128*s0");
+  EXPECT_EQ(*g.nodes[2].bytes_expr, "4*(s0 - 2)**2*4");
+  EXPECT_FALSE(g.nodes[4].bytes_expr.has_value());
+  const std::string once = print(g);
+  EXPECT_NE(once.find("size s0 hint=16\nsize u0\n"), std::string::npos) << once;
+  EXPECT_NE(once.find("bytes=1024 sym=\"64*s0\"\n"), std::string::npos) << once;
+  EXPECT_NE(once.find("bytes=0 sym=\"8*u0\"\n"), std::string::npos) << once;
+  EXPECT_EQ(print(parse(once)), once);
+}
+
+TEST(IrText, SymbolicValueBytesAtHintsAndAtOtherSizes) {
+  const Graph g = parse(kSymbolic);
+  EXPECT_EQ(g.value_bytes("y"), 2048);                 // the hint
+  EXPECT_EQ(g.value_bytes("y", {{"s0", 40}}), 5120);   // another length
+  EXPECT_EQ(g.value_bytes("z", {{"s0", 24}}), 16 * 22 * 22);
+  EXPECT_EQ(g.value_bytes("dw", {{"s0", 40}}), 4096);  // static
+  EXPECT_EQ(g.value_bytes("k", {{"u0", 3}}), 24);
+  EXPECT_THROW(g.value_bytes("k", {}), Error);  // u0 has no hint
+  EXPECT_EQ(g.size_hints(), (SizeBindings{{"s0", 16}}));
+}
+
+TEST(IrText, BadSymbolicSizesNameTheLine) {
+  for (const char* bad : {"%x = input bytes=4 sym=\"4*\"\n", "%x = input bytes=4 sym=4\n",
+                          "%x = input bytes=4 sym=\"s0\n", "size 3 hint=1\n",
+                          "size Max\n", "size s0 hint=x\n", "size s0 bogus=1\n",
+                          "size s0\nsize s0\n", "size\n"}) {
+    try {
+      parse(bad);
+      ADD_FAILURE() << "parsed: " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("line "), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sharc::ir

@@ -206,5 +206,35 @@ TEST(IrVerifier, DefinitionsAndDoubleGather) {
   EXPECT_TRUE(mentions(e, "not gathered"));
 }
 
+TEST(IrVerifier, SymbolicSizesReadDeclaredSymbolsAndMatchTheirHints) {
+  const char* body =
+      "size s0 hint=16\n"
+      "size u0\n"
+      "%x = input bytes=64 sym=\"4*s0\"\n"
+      "%y = compute \"relu\" %x bytes=64 sym=\"4*s0\"\n"
+      "%k = compute \"nonzero\" %y bytes=0 sym=\"8*u0\"\n"
+      "output %y %k\n";
+  EXPECT_TRUE(check(body, VerifyOptions::structural()).empty());
+  EXPECT_TRUE(mentions(check("%x = input bytes=64 sym=\"4*s1\"\noutput %x\n",
+                             VerifyOptions::structural()),
+                       "reads s1, which no line 'size s1 [hint=N]' declares"));
+  EXPECT_TRUE(mentions(check("size s0 hint=16\n%x = input bytes=60 sym=\"4*s0\"\noutput %x\n",
+                             VerifyOptions::structural()),
+                       "bytes=60 but its size \"4*s0\" is 64 at the size hints"));
+  EXPECT_TRUE(mentions(check("size s0 hint=0\n%x = input bytes=0 sym=\"4//s0\"\noutput %x\n",
+                             VerifyOptions::structural()),
+                       "division by zero"));
+}
+
+TEST(IrVerifier, GradientsHaveStaticSizes) {
+  const auto e = check(
+      "size s0 hint=16\n"
+      "%x = input bytes=64 sym=\"4*s0\"\n"
+      "%dw = compute \"mm\" %x bytes=64 sym=\"4*s0\" grad=@0\n"
+      "output %dw\n",
+      VerifyOptions::structural());
+  EXPECT_TRUE(mentions(e, "the gradient of @0 has a symbolic size")) << (e.empty() ? "" : e[0]);
+}
+
 }  // namespace
 }  // namespace sharc::ir

@@ -8,7 +8,10 @@
 //   param @0 "blocks.0.fc.weight" bytes=4096 dtype=float32
 //                                                  declares a sharded parameter
 //   param @1 "ln.weight" bytes=64 dtype=float32 kept  one that stays gathered
+//   size s0 hint=16                                a size symbol (dynamic shapes)
+//   size u0                                        one with no hint (data-dependent)
 //   %x = input bytes=256                           graph input
+//   %t = input bytes=64 sym="4*s0"                 one whose size varies
 //   %w = input param=@0                            full parameter saved by forward
 //   %g = gather @0 @1                              all-gather in flight (bucket)
 //   %w0, %w1 = wait %g                             full parameters, usable
@@ -38,13 +41,26 @@
 // memory budget the runtime holds that gather to (-1: none); `after` orders
 // it after those values.
 //
+// Sizes may be symbolic (size_expr.h): a graph compiled with dynamic shapes
+// declares its size symbols with the value each had when the graph was
+// first compiled (its hint), and a value whose size varies carries
+// `sym="EXPR"` beside `bytes=`, which is then the size at the hints. The
+// verifier holds `bytes=` to the expression at the hints. Parameters, and
+// so everything gathered, released or reduced, always have static sizes:
+// a `param` line takes no `sym=`, and neither does a node that produces a
+// parameter's gradient. Every decision a pass makes from bytes (buckets,
+// budget, prefetch distance, kept parameters) therefore holds for every size
+// the graph can see; only compute costs, measured at the hints, are
+// estimates for other sizes.
+//
 // A parameter's `bytes` and `dtype` are those of its gathered (full) value;
 // after its name they come in any order, and `dtype=` may be left out (the
 // dtype is then unknown). `kept` marks a parameter that stays gathered
 // across graphs (Param::kept). Dtypes are torch's names without `torch.`
 // (dtype.h). `cast=D` marks a compute node as an element-wise conversion of
 // its single operand to dtype D. Printing puts a param's `bytes=` before its
-// `dtype=`, and a node's attributes in the order bytes, grad, cast, cost.
+// `dtype=`, size lines after the params, and a node's attributes in the order
+// bytes, sym, grad, cast, cost.
 
 #include <cstdint>
 #include <map>
@@ -52,6 +68,8 @@
 #include <set>
 #include <string>
 #include <vector>
+
+#include "sharc/compiler/size_expr.h"
 
 namespace sharc::ir {
 
@@ -77,7 +95,10 @@ struct Node {
   std::vector<Operand> operands;
   std::vector<int64_t> params;       ///< parameters served (comm nodes, input param=)
   std::string op;                    ///< compute: the operation's name
-  int64_t bytes = 0;                 ///< bytes of the (single) output, if any
+  int64_t bytes = 0;                 ///< bytes of the (single) output, if any (its hint)
+  /// The output's size as an expression over the graph's size symbols
+  /// (size_expr.h), when it varies; `bytes` is then its value at the hints.
+  std::optional<std::string> bytes_expr;
   std::optional<int64_t> grad_of;    ///< compute: produces this parameter's gradient
   std::optional<std::string> cast;   ///< compute: converts its one operand to this dtype
   std::optional<double> cost;        ///< measured cost, when known
@@ -96,12 +117,19 @@ struct Param {
 
 struct Graph {
   std::map<int64_t, Param> params;
+  /// Size symbols and their hints (unset: no hint, a data-dependent size).
+  std::map<std::string, std::optional<int64_t>> size_symbols;
   std::vector<Node> nodes;
 
-  /// Bytes of a value: an input's, a compute's, or the gathered parameter
-  /// that a wait yields (0 for a reduction's token and shard gradients).
-  /// Throws sharc::Error for unknown values.
+  /// Bytes of a value at the hints: an input's, a compute's, or the
+  /// gathered parameter that a wait yields (0 for a reduction's token and
+  /// shard gradients). Throws sharc::Error for unknown values.
   int64_t value_bytes(const std::string& value) const;
+  /// Bytes of a value when the size symbols take `sizes` (a symbol left out
+  /// takes its hint); throws sharc::Error for a symbol with neither.
+  int64_t value_bytes(const std::string& value, const SizeBindings& sizes) const;
+  /// The hints of the size symbols that have one.
+  SizeBindings size_hints() const;
 };
 
 /// Which nodes feed which: built once over a graph (which must outlive it).

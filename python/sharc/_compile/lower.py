@@ -19,7 +19,8 @@ import torch.fx as fx
 
 from sharc._compile.errors import SharcCompileError
 from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, cast_dtype, dtype_name, is_call,
-                                is_exit_cast, is_view, param_key, tensor_bytes)
+                                is_exit_cast, is_view, param_key)
+from sharc._compile.sizes import SizeSymbols, static_bytes
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Lowering:
         self.values: dict[str, fx.Node] = {}
         self.grad_markers: dict[str, fx.Node] = {}
         self.folded: dict[fx.Node, list[fx.Node]] = {}
+        self.sizes = SizeSymbols()
 
     def run(self) -> LoweredGraph:
         self._collect_params()
@@ -73,6 +75,7 @@ class _Lowering:
         header += [f'param @{len(self.slots) + i} "{group}/{pid}" bytes={nbytes} kept'
                    for i, (pid, nbytes) in enumerate(sorted(
                        (p, b) for p, b in self.kept.items() if p not in read))]
+        header += self.sizes.header()  # the symbols the body's sizes read
         slots = {s.ir_id: s for s in self.slots.values()}
         return LoweredGraph("\n".join(header + body) + "\n", slots, self.values,
                             self.grad_markers, self.folded)
@@ -86,12 +89,12 @@ class _Lowering:
     def _collect_params(self) -> None:
         for node in self.graph.nodes:
             if is_call(node, ALL_GATHER):
-                slot = self._slot(node, tensor_bytes(node))
+                slot = self._slot(node, static_bytes(node))
                 slot.gathers.append(node)
                 slot.shard = slot.shard or node.args[0]
                 slot.dtype = node.meta["val"].dtype
             elif is_call(node, REDUCE_SCATTER):
-                slot = self._slot(node, tensor_bytes(node.args[0]))
+                slot = self._slot(node, static_bytes(node.args[0]))
                 slot.reductions.append(node)
                 slot.exit_casts += [u for u in node.users if is_exit_cast(u)]
                 if any(u.op != "output" and not is_exit_cast(u) for u in node.users):
@@ -134,7 +137,7 @@ class _Lowering:
     def _lower(self, node: fx.Node) -> list[str]:
         if node.op == "placeholder":
             self.values[node.name] = node
-            return [f"%{node.name} = input bytes={tensor_bytes(node)}"]
+            return [f"%{node.name} = input {self.sizes.size_of(node).ir()}"]
         if node.op == "output":
             return [self._lower_output(node)]
         if is_call(node, ALL_GATHER) or self._is_folded_getitem(node) or self._is_exit_cast(node):
@@ -150,7 +153,7 @@ class _Lowering:
         grad = node.args[0]
         operand = f"@{self.aliases[grad]}" if is_call(grad, ALL_GATHER) else f"%{grad.name}"
         return (f'%{marker} = compute "grad" {operand} '
-                f"bytes={tensor_bytes(grad)} grad=@{slot.ir_id}")
+                f"bytes={static_bytes(grad)} grad=@{slot.ir_id}")
 
     def _lower_compute(self, node: fx.Node) -> str:
         outputs = [node]
@@ -171,7 +174,8 @@ class _Lowering:
         dtype = cast_dtype(node)
         cast = f" cast={dtype_name(dtype)}" if dtype is not None else ""
         cost = f" cost={self.costs[node]:.3g}" if node in self.costs else ""
-        return f'{names} = compute "{op}" {args} bytes={tensor_bytes(node)}{cast}{cost}'.replace(
+        size = self.sizes.size_of(node).ir()
+        return f'{names} = compute "{op}" {args} {size}{cast}{cost}'.replace(
             "  ", " ")
 
     def _is_exit_cast(self, node: fx.Node) -> bool:

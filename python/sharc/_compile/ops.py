@@ -55,15 +55,6 @@ def is_view(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-def tensor_bytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
-    return 0
-
-
 _CAST = torch.ops.prims.convert_element_type.default
 _TO_COPY = torch.ops.aten._to_copy.default
 

@@ -15,9 +15,14 @@ other ranks do next. So no pass that decides which collectives run may
 read compute costs; those decisions read only what every rank agreed on
 when the group's collective costs were measured (see schedule.py).
 
+Under dynamic shapes a node runs at its sizes' hints: the sizes the graph
+was traced with, so the first concrete sizes it met. A later, larger size
+takes longer than measured; the costs only order the scheduler's choices
+of how early a gather starts, never which collectives run.
+
 Not measured (no cost): sharc's own ops and collectives (their costs come
-from the group's measured collective costs), nodes with symbolic shapes,
-nodes that fail on stand-ins. The sum of separately run nodes is an upper
+from the group's measured collective costs), nodes whose sizes have no
+hint (data-dependent sizes), nodes that fail on stand-ins. The sum of separately run nodes is an upper
 bound on what a compiler's fused kernels take; the scheduler compares it
 with collective times, where the order of magnitude is what counts.
 """
@@ -67,15 +72,15 @@ def _devices(nodes: list[fx.Node]) -> set[torch.device]:
 
 
 def _stand_in(value, generator: torch.Generator):
-    """A real tensor like the recorded `value` (a fake tensor), or the value."""
+    """A real tensor like the recorded `value` (a fake tensor), or the
+    value; symbolic sizes and scalars take their hints."""
     if not isinstance(value, torch.Tensor):
         if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-            raise _Symbolic()
+            return _hint(value)
         return value
-    if any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
-        raise _Symbolic()
-    out = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
-                              device=value.device)
+    shape = tuple(_hint(s) for s in value.shape)
+    stride = tuple(_hint(s) for s in value.stride())
+    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
     if out.is_floating_point() or out.is_complex():
         filled = torch.randn(out.shape, generator=generator, dtype=out.dtype)
         out.copy_(filled)
@@ -85,7 +90,16 @@ def _stand_in(value, generator: torch.Generator):
 
 
 class _Symbolic(Exception):
-    """A shape only known at run time: the node is not measured."""
+    """A size with no hint (data-dependent): the node is not measured."""
+
+
+def _hint(value):
+    """The value a symbolic int, float or bool had when traced."""
+    if not isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return value
+    if not value.node.has_hint():
+        raise _Symbolic()
+    return value.node.hint
 
 
 def _inputs(node: fx.Node, generator: torch.Generator):

@@ -58,7 +58,7 @@ class PrefetchGathers : public Pass {
   // placed so far, then the rest) within the budget.
   bool fits(const Graph& graph, const std::vector<Node>& out, size_t at, size_t k) const {
     if (!budget_) return true;
-    Graph trial{graph.params, {}};
+    Graph trial{graph.params, graph.size_symbols, {}};
     trial.nodes.reserve(graph.nodes.size());
     trial.nodes.insert(trial.nodes.end(), out.begin(), out.begin() + static_cast<std::ptrdiff_t>(at));
     trial.nodes.push_back(graph.nodes[k]);

@@ -1,0 +1,327 @@
+"""Sizes that change from step to step, the way people train: sequence
+lengths that vary (and differ between ranks within a step), a batch
+dimension marked dynamic, `torch.compile(dynamic=True)`, evaluation at a
+length never trained on, an HF causal LM with gradient checkpointing,
+checkpointed attention, and two models of one class whose inputs differ in
+shape. Each is compared with single-process training, and compiled runs
+count Dynamo's graphs: a new size recompiles at most once (into a graph
+with symbolic sizes), never once per size.
+
+Every rank sees its own lengths, so the unsharded reference runs each
+rank's batch through one model and averages the ranks' losses (what the
+sharded gradient average computes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dist_harness import run_ranks
+from models import gathered_beyond_kept
+from scenario import in_own_groups
+
+LENGTHS = (16, 24, 40, 8)
+LR = 0.1
+VOCAB = 65
+
+
+def _gpt():
+    from sharc.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=2, n_embd=32))
+
+
+def _llama(checkpointing: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    if checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+class _HFLoss(nn.Module):
+    """An HF causal LM as (tokens, targets) -> loss."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x, y):
+        return self.lm(input_ids=x, labels=y).loss
+
+
+def _tokens(step: int, rank: int, length: int, batch: int = 2):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, VOCAB, (batch, length), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _length(step: int, rank: int) -> int:
+    """Each rank its own length each step: rank r is r steps ahead."""
+    return LENGTHS[(step + rank) % len(LENGTHS)]
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _train_sharded(rank, world, make_model, mode, group, compile_kwargs=None, steps=None):
+    """Losses per step, graphs compiled after each step, leftover gathered
+    bytes after each step, final full parameters."""
+    import sharc
+
+    torch._dynamo.reset()
+    model = make_model()
+    sharc.shard(model, group)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    fn = model if mode == "eager" else torch.compile(model, backend="sharc",
+                                                     **(compile_kwargs or {}))
+    out = {"losses": [], "graphs": [], "left": []}
+    graphs_before = _graph_count()
+    for step in range(steps or len(LENGTHS)):
+        loss = fn(*_tokens(step, rank, _length(step, rank)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["graphs"].append(_graph_count() - graphs_before)
+        out["left"].append(gathered_beyond_kept(group))
+    out["params"] = sharc.full_state_dict(model)
+    return out
+
+
+def _train_reference(make_model, world, steps=None):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps or len(LENGTHS)):
+        per_rank = [model(*_tokens(step, r, _length(step, r))) for r in range(world)]
+        loss = sum(per_rank) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([x.item() for x in per_rank])
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_matches(results, reference, rtol=1e-4, atol=1e-5):
+    ref_losses, ref_params = reference
+    for rank, r in enumerate(results):
+        for step, got in enumerate(r["losses"]):
+            want = ref_losses[step][rank]
+            assert abs(got - want) <= rtol * abs(want) + atol, (rank, step, got, want)
+        assert r["left"] == [0] * len(r["left"]), f"rank {rank} left bytes gathered: {r['left']}"
+        for name, want in ref_params.items():
+            torch.testing.assert_close(r["params"][name], want, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+
+
+def _gpt_runs(rank, world, mode, group):
+    return _train_sharded(rank, world, _gpt, mode, group)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_gpt_over_lengths_that_change_and_differ_between_ranks(mode):
+    results = run_ranks(_gpt_runs, 2, mode, None, timeout=900)
+    _assert_matches(results, _train_reference(_gpt, 2))
+    if mode == "compiled":
+        for r in results:  # the first length, then one graph with symbolic sizes
+            assert r["graphs"] == [1, 2, 2, 2], r["graphs"]
+
+
+def _llama_runs(rank, world, checkpointing, group):
+    return _train_sharded(rank, world, lambda: _HFLoss(_llama(checkpointing)), "compiled",
+                          group)
+
+
+def test_hf_causal_lm_compiled_over_lengths_with_and_without_checkpointing():
+    runs = run_ranks(in_own_groups, 2, _llama_runs, [(False,), (True,)], timeout=1200)
+    for checkpointing, results in zip((False, True), zip(*runs)):
+        _assert_matches(list(results),
+                        _train_reference(lambda: _HFLoss(_llama(checkpointing)), 2))
+        for r in results:  # no graph compiled once the second length made them dynamic
+            assert r["graphs"][1:] == [r["graphs"][1]] * (len(LENGTHS) - 1), \
+                (checkpointing, r["graphs"])
+
+
+class CheckpointedAttention(nn.Module):
+    """Blocks whose attention (F.scaled_dot_product_attention) runs inside a
+    torch.utils.checkpoint region."""
+
+    def __init__(self, d: int = 32, heads: int = 2, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB)
+        self.heads = heads
+
+    def _attend(self, i: int, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv[i](x).split(c, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out[i](y.transpose(1, 2).reshape(b, t, c))
+
+    def forward(self, x, y):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(x)
+        for i in range(len(self.qkv)):
+            h = h + checkpoint(self._attend, i, h, use_reentrant=False)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def _make_checkpointed():
+    torch.manual_seed(0)
+    return CheckpointedAttention()
+
+
+def _checkpointed_runs(rank, world, mode, group):
+    return _train_sharded(rank, world, _make_checkpointed, mode, group)
+
+
+def test_checkpointed_attention_over_lengths():
+    runs = run_ranks(in_own_groups, 2, _checkpointed_runs, [("eager",), ("compiled",)],
+                     timeout=900)
+    reference = _train_reference(_make_checkpointed, 2)
+    for results in zip(*runs):
+        _assert_matches(list(results), reference)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _convnet():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3, stride=2),
+                         nn.Flatten())
+
+
+def _inputs_for(kind: str, step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    if kind == "mlp":
+        return torch.randn(4, 12, generator=g)
+    return torch.randn(2, 3, 9 + 2 * step, 9 + 2 * step, generator=g)
+
+
+def _two_classmates(rank, world):
+    """An nn.Sequential of Linear layers, then one of Conv2d layers (their
+    inputs of other ranks and sizes), in one process, both compiled:
+    Dynamo's second compile of Sequential.forward is the dynamic one."""
+    import sharc
+
+    out = {}
+    for kind, make in (("mlp", _mlp), ("conv", _convnet)):
+        model = make()
+        sharc.shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        fn = torch.compile(model, backend="sharc")
+        losses = []
+        for step in range(3):
+            loss = fn(_inputs_for(kind, step, rank)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            assert gathered_beyond_kept() == 0
+        out[kind] = (losses, sharc.full_state_dict(model))
+    return out
+
+
+def test_two_models_of_one_class_with_inputs_of_different_shapes():
+    results = run_ranks(_two_classmates, 2, timeout=900)
+    for kind, make in (("mlp", _mlp), ("conv", _convnet)):
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        want = []
+        for step in range(3):
+            per_rank = [model(_inputs_for(kind, step, r)).square().mean() for r in range(2)]
+            (sum(per_rank) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+            want.append([x.item() for x in per_rank])
+        for rank, r in enumerate(results):
+            losses, params = r[kind]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want)[:, rank],
+                                       rtol=1e-4, atol=1e-6)
+            for name, value in model.state_dict().items():
+                torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+
+
+def _dynamic_runs(rank, world, how, group):
+    """Batch sizes 2, 3, 1, 4 with the batch dimension marked dynamic, or
+    lengths with torch.compile(dynamic=True): one graph for all. Then an
+    evaluation under no_grad at a length never trained on."""
+    import sharc
+
+    torch._dynamo.reset()
+    model = _gpt()
+    sharc.shard(model, group)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    fn = torch.compile(model, backend="sharc", dynamic=True if how == "dynamic" else None)
+    out = {"losses": [], "graphs": []}
+    graphs_before = _graph_count()
+    for step, batch in enumerate((2, 3, 1, 4)):
+        length = 16 if how == "mark_dynamic" else _length(step, rank)
+        x, y = _tokens(step, rank, length, batch)
+        if how == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(y, 0)
+        loss = fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["graphs"].append(_graph_count() - graphs_before)
+        assert gathered_beyond_kept(group) == 0
+    model.eval()
+    with torch.no_grad():
+        out["eval"] = fn(*_tokens(9, rank, 33, 3)).item()
+    out["eval_left"] = gathered_beyond_kept(group)
+    return out
+
+
+def _dynamic_reference(how: str, world: int):
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step, batch in enumerate((2, 3, 1, 4)):
+        per_rank = [model(*_tokens(step, r, 16 if how == "mark_dynamic" else _length(step, r),
+                                   batch)) for r in range(world)]
+        (sum(per_rank) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([x.item() for x in per_rank])
+    model.eval()
+    with torch.no_grad():
+        evals = [model(*_tokens(9, r, 33, 3)).item() for r in range(world)]
+    return losses, evals
+
+
+def test_mark_dynamic_and_dynamic_true_compile_once_and_evaluate_at_a_new_length():
+    hows = ("mark_dynamic", "dynamic")
+    runs = run_ranks(in_own_groups, 2, _dynamic_runs, [(h,) for h in hows], timeout=900)
+    for how, results in zip(hows, zip(*runs)):
+        losses, evals = _dynamic_reference(how, 2)
+        for rank, r in enumerate(results):
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses)[:, rank],
+                                       rtol=1e-4, atol=1e-6, msg=lambda m: f"{how}: {m}")
+            assert abs(r["eval"] - evals[rank]) < 1e-4 * abs(evals[rank]), (how, r["eval"])
+            assert r["eval_left"] == 0
+            # Training: one graph, then the no_grad evaluation: one more.
+            assert r["graphs"] == [1, 1, 1, 1], (how, r["graphs"])
