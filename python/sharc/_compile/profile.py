@@ -20,6 +20,13 @@ was traced with, so the first concrete sizes it met. A later, larger size
 takes longer than measured; the costs only order the scheduler's choices
 of how early a gather starts, never which collectives run.
 
+Each distinct call (operator, and its inputs' sizes, strides, dtypes and
+devices, and its other arguments) is measured once per process: the
+identical blocks of a model, the blocks of a model compiled one by one,
+and a recompile all reuse what was measured (`CostCache`). A cost of an
+operator on this process's device is a fact of the process, so the cache
+belongs to it, like Dynamo's and Inductor's own caches.
+
 Not measured (no cost): sharc's own ops and collectives (their costs come
 from the group's measured collective costs), nodes whose sizes have no
 hint (data-dependent sizes), nodes that fail on stand-ins. The sum of separately run nodes is an upper
@@ -31,26 +38,89 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import OrderedDict
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 _REPEATS = 3
 _SKIPPED_NAMESPACES = ("sharc", "_c10d_functional", "c10d", "c10d_functional")
 _BUDGET_S = 10.0  # the most a graph's profiling may take; the rest stays unmeasured
 
 
-def profile_compute(graph: fx.Graph) -> dict[fx.Node, float]:
-    """Microseconds per call_function node of `graph`, as measured here."""
+class CostCache:
+    """Microseconds per call signature (see _signature), measured in this
+    process; -1 for a call that cannot run on stand-ins. Bounded: the
+    least recently used signatures go first."""
+
+    def __init__(self, capacity: int = 8192):
+        self.capacity = capacity
+        self._costs: OrderedDict[tuple, float] = OrderedDict()
+        self.hits = self.measured = 0
+
+    def get(self, key) -> float | None:
+        if key is None or key not in self._costs:
+            return None
+        self._costs.move_to_end(key)
+        self.hits += 1
+        return self._costs[key]
+
+    def put(self, key, us: float) -> None:
+        self.measured += 1
+        if key is None:
+            return
+        self._costs[key] = us
+        if len(self._costs) > self.capacity:
+            self._costs.popitem(last=False)
+
+
+COSTS = CostCache()
+
+
+def profile_compute(graph: fx.Graph, cache: CostCache = COSTS) -> dict[fx.Node, float]:
+    """Microseconds per call_function node of `graph`, as measured here
+    (or earlier in this process, for a call of the same signature)."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and _measurable(n)]
     devices = _devices(nodes)
+    costs = {}
     with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
         generator = torch.Generator().manual_seed(0)
         deadline = time.monotonic() + _BUDGET_S
-        costs = [_time_node(n, generator, devices) if time.monotonic() < deadline else -1.0
-                 for n in nodes]
-    return {n: us for n, us in zip(nodes, costs) if us >= 0}
+        for n in nodes:
+            key = _signature(n)
+            us = cache.get(key)
+            if us is None and time.monotonic() < deadline:
+                us = _time_node(n, generator, devices)
+                cache.put(key, us)
+            if us is not None and us >= 0:
+                costs[n] = us
+    return costs
+
+
+def _signature(node: fx.Node):
+    """What a call's cost depends on: the operator, each tensor input's
+    sizes, strides, dtype and device (symbolic sizes at their hints), and
+    its other arguments; None when an argument cannot be part of a key."""
+    def describe(arg):
+        if not isinstance(arg, fx.Node):
+            return arg
+        return tree_map(_describe_value, arg.meta.get("val"))
+    try:
+        leaves, spec = tree_flatten(tree_map(describe, (node.args, node.kwargs)))
+        key = (str(node.target), tuple(leaves), str(spec))
+        hash(key)
+        return key
+    except (TypeError, _Symbolic):
+        return None
+
+
+def _describe_value(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(_hint(s) for s in value.shape),
+                tuple(_hint(s) for s in value.stride()), value.dtype, str(value.device),
+                value.layout)
+    return _hint(value)
 
 
 def _measurable(node: fx.Node) -> bool:
