@@ -44,16 +44,28 @@ class Competitor:
     """Every training step's loss, in order (all competitors see the same batches)."""
 
 
-def fresh_model(config: GPTConfig = MODEL) -> GPT:
-    """The benchmark GPT, its modules given code objects of their own (see
+def build_model(config) -> torch.nn.Module:
+    """The benchmark model a config describes: the GPT, the BERT-like
+    encoder, or the GPT with graph breaks in every block."""
+    from _models import BertLikeEncoder, EncoderConfig, GraphBrokenGPT, BrokenConfig
+
+    if isinstance(config, EncoderConfig):
+        return BertLikeEncoder(config)
+    if isinstance(config, BrokenConfig):
+        return GraphBrokenGPT(config)
+    return GPT(config)
+
+
+def fresh_model(config=MODEL) -> torch.nn.Module:
+    """The benchmark model, its modules given code objects of their own (see
     _with_own_code), so that what one competitor's compiler records about
     the model's code cannot change how another competitor runs."""
     torch.manual_seed(0)
-    model = GPT(config)
+    model = build_model(config)
     own_classes: dict[type, type] = {}
     for module in model.modules():
         cls = type(module)
-        if cls.__module__ == GPT.__module__:
+        if cls.__module__ in (GPT.__module__, "_models"):
             if cls not in own_classes:
                 own_classes[cls] = _with_own_code(cls)
             module.__class__ = own_classes[cls]
