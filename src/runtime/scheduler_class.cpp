@@ -22,6 +22,10 @@
 //
 //   peak_gathered_bytes(ir_text) -> the most parameter bytes the schedule
 //   holds gathered at once (sharc/compiler/memory.h).
+//
+//   predict(ir_text, collective_costs) -> (end_us, exposed_us, compute_us):
+//   the timeline model's run of a schedule (sharc/compiler/timeline.h):
+//   when it ends, the time held in waits, and the compute costs' sum.
 
 #include <algorithm>
 #include <optional>
@@ -37,6 +41,7 @@
 #include "sharc/compiler/ir.h"
 #include "sharc/compiler/memory.h"
 #include "sharc/compiler/pipeline.h"
+#include "sharc/compiler/timeline.h"
 
 namespace sharc {
 namespace {
@@ -149,6 +154,19 @@ int64_t peak_gathered_bytes(std::string ir_text) {
   return ir::peak_gathered(ir::parse(ir_text)).bytes;
 }
 
+std::tuple<double, double, double> predict(std::string ir_text,
+                                           std::vector<double> collective_costs) {
+  const ir::PipelineOptions options =
+      pipeline_options(-1, -1, {}, -1, collective_costs, false, std::nullopt);
+  const ir::Graph graph = ir::parse(ir_text);
+  const ir::Timeline line = ir::predict(graph, {options.gather_cost, options.reduce_cost});
+  double compute = 0.0;
+  for (const ir::Node& n : graph.nodes) {
+    if (n.kind == ir::NodeKind::Compute) compute += std::max(0.0, n.cost.value_or(0.0));
+  }
+  return {line.end_us, line.exposed_us, compute};
+}
+
 class Scheduler : public torch::CustomClassHolder {};
 
 }  // namespace
@@ -172,5 +190,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_static("pass_names", &sharc::ir::pipeline_pass_names)
       .def_static("peak_gathered_bytes", &sharc::peak_gathered_bytes,
                   "The most parameter bytes an IR schedule holds gathered at once",
-                  {torch::arg("ir_text")});
+                  {torch::arg("ir_text")})
+      .def_static("predict", &sharc::predict,
+                  "The timeline model's run of a schedule: (end_us, exposed_us, compute_us)",
+                  {torch::arg("ir_text"), torch::arg("collective_costs") = c10::List<double>()});
 }

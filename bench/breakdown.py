@@ -1,0 +1,187 @@
+"""Where one sharc compiled training step's time goes, measured and as
+the timeline model predicted it.
+
+    .venv/bin/python bench/breakdown.py                # every model, 2 gloo ranks
+    .venv/bin/python bench/breakdown.py --size small   # one
+
+The model is compiled with backend="sharc" (default options) and trained
+for a few warm-up steps, then `--steps` steps run under torch.profiler.
+One step's time splits into:
+  compute in graphs      the compiled graphs' time less sharc's ops in them
+  gather waits           blocked in all-gather waits (the runtime's counter)
+  reduction waits        blocked in reduce-scatter waits (the runtime's counter)
+  bucket copies          copies and casts inside sharc's ops (into a
+                         gather's input or a reduction's bucket, out of a
+                         staging buffer or a reduced bucket)
+  runtime and dispatch   the rest of sharc's ops: issuing collectives,
+                         bookkeeping, the operators' dispatch
+  optimizer              optimizer.step() and zero_grad()
+  Python between graphs  the rest of the step: Dynamo's guards, eager code
+                         at graph breaks, autograd's engine between graphs
+Each figure is rank 0's mean per step in milliseconds; the slowest rank's
+step is shown beside. The prediction is the timeline model's
+(include/sharc/compiler/timeline.h) over each scheduled graph as dumped
+by SHARC's dump_ir (rank 0), summed over the graphs, each assumed to run
+once per step: compute (the measured node costs' sum) and exposed
+communication (the time its waits hold the computation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import sharc
+from _common import adamw, fresh_model, markdown, write_results
+from compare import SIZES
+from sharc.data import CharDataset
+from sharc.launch import launch
+
+_COPIES = ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::to", "aten::index_put_")
+
+
+def _rank_main(args) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    for size in (list(SIZES) if args.size == "all" else [args.size]):
+        _measure(size, args)
+
+
+def _measure(size: str, args) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = SIZES[size]
+    data = CharDataset()
+    dump = tempfile.mkdtemp(prefix=f"sharc_breakdown_{size}_")
+    model = fresh_model(config)
+    group = dist.new_group()
+    sharc.shard(model, group)
+    step_fn = torch.compile(model, backend="sharc", options={"dump_ir": dump})
+    opt = adamw(model)
+
+    def step(i, profiled=False):
+        x, y = data.rank_batch(i, args.batch, config.block_size, rank, world)
+        with torch.profiler.record_function("bench::step"):
+            loss = step_fn(x, y)
+            loss.backward()
+            with torch.profiler.record_function("bench::optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    for i in range(args.warmup):
+        step(i)
+    sharc.reset_memory_stats(group)
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for i in range(args.steps):
+            dist.barrier()
+            step(args.warmup + i)
+    stats = sharc.memory_stats(group)
+    measured = _split(prof.events(), stats, args.steps)
+    predicted = _predict(dump, sharc.api.sharded_root(model).runtime) if rank == 0 else {}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, measured)
+    if rank == 0:
+        _report(size, config, per_rank, predicted, args)
+
+
+def _split(events, stats: dict, steps: int) -> dict:
+    """Rank-local milliseconds per step in each category (see the module
+    docstring)."""
+    def total(pred) -> float:
+        return sum(e.cpu_time_total for e in events if pred(e)) / 1e3 / steps
+
+    def outermost(e, prefix) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(prefix):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    def inside(e, prefix) -> bool:
+        return not outermost(e, prefix)
+
+    is_graph = lambda e: e.name.startswith("## Call CompiledFxGraph")  # noqa: E731
+    is_sharc = lambda e: e.name.startswith("sharc::") and outermost(e, "sharc::")  # noqa: E731
+    step = total(lambda e: e.name == "bench::step")
+    optimizer = total(lambda e: e.name == "bench::optimizer")
+    graphs = total(is_graph)
+    sharc_in_graphs = total(lambda e: is_sharc(e) and inside(e, "## Call CompiledFxGraph"))
+    sharc_all = total(is_sharc)
+    copies = total(lambda e: e.name in _COPIES and inside(e, "sharc::") and
+                   outermost(e, tuple(_COPIES)))
+    gather_wait = stats["gather_wait_ns"] / 1e6 / steps
+    reduce_wait = stats["reduce_wait_ns"] / 1e6 / steps
+    return {
+        "step": step,
+        "compute in graphs": graphs - sharc_in_graphs,
+        "gather waits": gather_wait,
+        "reduction waits": reduce_wait,
+        "bucket copies": copies,
+        "runtime and dispatch": sharc_all - gather_wait - reduce_wait - copies,
+        "optimizer": optimizer,
+        "Python between graphs": step - graphs - optimizer - (sharc_all - sharc_in_graphs),
+        "graph calls": sum(1 for e in events if is_graph(e)) / steps,
+    }
+
+
+def _predict(dump: str, runtime) -> dict:
+    """The timeline model over the scheduled graphs rank 0 dumped."""
+    costs = list(runtime.collective_costs())
+    compute = exposed = 0.0
+    files = sorted(glob.glob(os.path.join(dump, "rank0_*.after.ir")))
+    for path in files:
+        with open(path) as f:
+            _, held, work = torch.classes.sharc.Scheduler.predict(f.read(), costs)
+        compute += work
+        exposed += held
+    return {"compute in graphs": compute / 1e3, "exposed communication": exposed / 1e3,
+            "graphs": len(files)}
+
+
+def _report(size: str, config, per_rank: list[dict], predicted: dict, args) -> None:
+    ours = per_rank[0]
+    rows = []
+    for key in ("compute in graphs", "gather waits", "reduction waits", "bucket copies",
+                "runtime and dispatch", "optimizer", "Python between graphs", "step"):
+        share = ours[key] / ours["step"] if ours["step"] else 0.0
+        row = {"term": key, "measured_ms": round(ours[key], 2), "share": round(share, 3),
+               "slowest_rank_ms": round(max(r[key] for r in per_rank), 2)}
+        row["predicted_ms"] = {
+            "compute in graphs": round(predicted["compute in graphs"], 2),
+            "gather waits": round(predicted["exposed communication"], 2),
+        }.get(key, "")
+        rows.append(row)
+    meta = {"size": size, "model": repr(config), "world_size": len(per_rank),
+            "batch_per_rank": args.batch, "profiled_steps": args.steps,
+            "graph_calls_per_step": ours["graph calls"], "graphs_dumped": predicted["graphs"],
+            "torch": torch.__version__, "device": "cpu", "backend": "gloo"}
+    note = ("predicted_ms: the timeline model's compute (sum of measured node costs) and "
+            "exposed communication (all waits, shown on the gather row), over rank 0's graphs.")
+    table = markdown(rows, ["term", "measured_ms", "share", "slowest_rank_ms", "predicted_ms"])
+    print(f"\n{size}: one sharc compiled step (rank 0, mean of {args.steps})\n{table}\n{note}")
+    write_results(args.out, f"breakdown_{size}", meta, rows,
+                  f"Where one sharc compiled step's time goes. {note}", table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--size", choices=[*SIZES, "all"], default="all")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    start = time.perf_counter()
+    launch(_rank_main, args.nproc, args=(args,))
+    print(f"breakdown: {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
