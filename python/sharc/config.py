@@ -128,7 +128,16 @@ class CompileConfig:
 
     dump_ir: str | None = None
     """A directory: each graph's IR before and after every pass, with each
-    pass's rewrite count, is written there (env SHARC_DUMP_IR)."""
+    pass's statistics, and the pipeline that ran, every argument written out
+    (`*.pipeline`), are written there (env SHARC_DUMP_IR)."""
+
+    pipeline: str | None = None
+    """The pass pipeline as text, run instead of the shipping one:
+    `"regather_in_backward,cast_before_gather,...,bucket_allgathers{bytes=65536},..."`
+    (a `-` before a name switches the pass off). A dumped `*.pipeline`
+    replays that schedule; arguments left out are chosen as the shipping
+    pipeline would. Exclusive with gather_bucket_bytes, reduce_bucket_bytes
+    and disable_passes, which edit the shipping pipeline."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inductor, bool):
@@ -153,6 +162,37 @@ class CompileConfig:
         if unknown:
             raise ValueError(f"CompileConfig.disable_passes: unknown pass {unknown[0]!r}; "
                              f"the passes are {', '.join(passes)}")
+        if self.pipeline is not None:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        import torch
+
+        if not isinstance(self.pipeline, str):
+            raise TypeError(f"CompileConfig.pipeline must be a str, got {self.pipeline!r}")
+        edits = [n for n in ("gather_bucket_bytes", "reduce_bucket_bytes", "disable_passes")
+                 if getattr(self, n)]
+        if edits:
+            raise ValueError(f"CompileConfig.pipeline replaces the shipping pipeline, which "
+                             f"{edits[0]} edits; write it in the pipeline text instead")
+        try:
+            self.pipeline = torch.classes.sharc.Scheduler.normalize_pipeline(self.pipeline)
+        except RuntimeError as e:
+            raise ValueError(f"CompileConfig.pipeline: {e}") from None
+
+    def pipeline_text(self) -> str:
+        """The pipeline to run, as text: the given one, or the shipping
+        passes with this config's edits (passes switched off, bucket caps);
+        the scheduler fills in every argument not written."""
+        if self.pipeline is not None:
+            return self.pipeline
+        items = []
+        for name in _pass_names():
+            item = ("-" if name in self.disable_passes else "") + name
+            cap = {"bucket_allgathers": self.gather_bucket_bytes,
+                   "insert_reduce_scatter": self.reduce_bucket_bytes}.get(name)
+            items.append(item if cap is None else f"{item}{{bytes={cap}}}")
+        return ",".join(items)
 
     @classmethod
     def from_options(cls, options: dict | None) -> "CompileConfig":

@@ -122,7 +122,7 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
     Pass& pass = *passes_[i];
     const std::string name = pass.name();
     if (disabled_.count(name)) {
-      records.push_back({name, 0, true});
+      records.push_back({name, 0, true, {}});
       continue;
     }
     check_required(i, holding, undone_by);
@@ -141,7 +141,9 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
       established_by[rule] = name;
     }
     check(graph, holding, "after pass '" + name + "'");
-    records.push_back({name, rewrites, false});
+    std::map<std::string, int64_t> stats = pass.statistics();
+    stats["rewrites"] = rewrites;
+    records.push_back({name, rewrites, false, std::move(stats)});
   }
   check_final(graph);
   return records;

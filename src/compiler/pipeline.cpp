@@ -1,6 +1,9 @@
 #include "sharc/compiler/pipeline.h"
 
 #include <algorithm>
+#include <string>
+
+#include "sharc/compiler/pipeline_text.h"
 
 #include "sharc/compiler/passes.h"
 
@@ -28,13 +31,28 @@ int64_t auto_reduce_bucket_bytes(const std::optional<CollectiveCost>& reduce_cos
   return latency_a_tenth(reduce_cost, 1 << 20, 64 << 20, 4 << 20);
 }
 
-PassManager make_pipeline(const PipelineOptions& options) {
-  VerifyOptions final_rules = VerifyOptions::complete();
-  if (options.memory_budget_bytes) final_rules.cap_gathered(*options.memory_budget_bytes);
-  PassManager manager(VerifyOptions::structural(), final_rules);
-  const std::optional<int64_t> budget = options.memory_budget_bytes;
-  const int64_t bucket_cap =
-      options.gather_bucket_bytes.value_or(auto_gather_bucket_bytes(options.gather_cost));
+namespace {
+
+void set_int(PassSpec& spec, const std::string& key, std::optional<int64_t> value) {
+  spec.args[key] = value ? std::to_string(*value) : "none";
+}
+
+void set_cost(PassSpec& spec, const std::string& prefix, const std::optional<CollectiveCost>& c) {
+  spec.args[prefix + "_latency_us"] = c ? format_number(c->latency_us) : "none";
+  spec.args[prefix + "_us_per_byte"] = c ? format_number(c->us_per_byte) : "none";
+}
+
+std::string id_list(const std::optional<std::set<int64_t>>& ids) {
+  if (!ids) return "all";
+  if (ids->empty()) return "none";
+  std::string out;
+  for (int64_t id : *ids) out += (out.empty() ? "" : ":") + std::to_string(id);
+  return out;
+}
+
+}  // namespace
+
+PipelineSpec shipping_pipeline(const PipelineOptions& options) {
   // Re-gather comes first so the saved parameters it turns into direct reads
   // get their gathers from insertion; casting before the gather looks at
   // direct reads only, so it runs after re-gather (whose reads it sees) and
@@ -48,24 +66,73 @@ PassManager make_pipeline(const PipelineOptions& options) {
   // same on every rank; the compute costs it reads are not). Waits on
   // reductions are placed once every reduction is in, since each goes
   // right after the next one starts.
-  manager.add(make_regather_in_backward())
-      .add(make_cast_before_gather())
-      .add(make_check_memory_budget(budget))
-      .add(make_keep_gathered_params(budget, options.keep_for_backward
-                                                 ? options.gather_cost
-                                                 : std::optional<CollectiveCost>(),
-                                     options.keep_candidates))
-      .add(make_insert_gather_release())
-      .add(make_bucket_allgathers(bucket_cap, budget))
-      .add(make_prefetch_gathers(budget))
-      .add(make_insert_reduce_scatter(
-          options.reduce_bucket_bytes.value_or(auto_reduce_bucket_bytes(options.reduce_cost))))
-      .add(make_prefetch_by_cost({options.gather_cost, options.reduce_cost}, budget))
-      .add(make_place_reduce_waits())
-      .add(make_mark_graph_prefetch(budget))
-      .add(make_annotate_collective_costs(options.gather_cost, options.reduce_cost));
-  for (const std::string& name : options.disabled_passes) manager.disable(name);
+  const std::optional<int64_t> budget = options.memory_budget_bytes;
+  PipelineSpec p = {{"regather_in_backward"},  {"cast_before_gather"},
+                    {"check_memory_budget"},   {"keep_gathered_params"},
+                    {"insert_gather_release"}, {"bucket_allgathers"},
+                    {"prefetch_gathers"},      {"insert_reduce_scatter"},
+                    {"prefetch_by_cost"},      {"place_reduce_waits"},
+                    {"mark_graph_prefetch"},   {"annotate_collective_costs"}};
+  set_int(p[2], "budget", budget);
+  set_int(p[3], "budget", budget);
+  set_cost(p[3], "gather", options.keep_for_backward ? options.gather_cost : std::nullopt);
+  p[3].args["candidates"] = id_list(options.keep_candidates);
+  set_int(p[5], "bytes",
+          options.gather_bucket_bytes.value_or(auto_gather_bucket_bytes(options.gather_cost)));
+  set_int(p[5], "budget", budget);
+  set_int(p[6], "budget", budget);
+  set_int(p[7], "bytes",
+          options.reduce_bucket_bytes.value_or(auto_reduce_bucket_bytes(options.reduce_cost)));
+  set_cost(p[8], "gather", options.gather_cost);
+  set_cost(p[8], "reduce", options.reduce_cost);
+  set_int(p[8], "budget", budget);
+  set_int(p[10], "budget", budget);
+  set_cost(p[11], "gather", options.gather_cost);
+  set_cost(p[11], "reduce", options.reduce_cost);
+  for (PassSpec& spec : p) {
+    for (const std::string& off : options.disabled_passes) {
+      if (spec.name == off) spec.enabled = false;
+    }
+  }
+  for (const std::string& off : options.disabled_passes) {  // names no pass: say so
+    bool known = false;
+    for (const PassSpec& spec : p) known = known || spec.name == off;
+    if (!known) make_pass({off});
+  }
+  return p;
+}
+
+PipelineSpec complete_pipeline(const PipelineSpec& given, const PipelineOptions& options) {
+  const PipelineSpec shipping = shipping_pipeline(options);
+  PipelineSpec out = given;
+  for (PassSpec& spec : out) {
+    for (const PassSpec& ship : shipping) {
+      if (ship.name != spec.name) continue;
+      for (const auto& [key, value] : ship.args) spec.args.emplace(key, value);
+    }
+  }
+  return out;
+}
+
+PassManager build_pipeline(const PipelineSpec& pipeline) {
+  VerifyOptions final_rules = VerifyOptions::complete();
+  for (const PassSpec& spec : pipeline) {
+    if (spec.name != "check_memory_budget" || !spec.enabled) continue;
+    auto budget = spec.args.find("budget");
+    if (budget != spec.args.end() && budget->second != "none") {
+      final_rules.cap_gathered(std::stoll(budget->second));
+    }
+  }
+  PassManager manager(VerifyOptions::structural(), final_rules);
+  for (const PassSpec& spec : pipeline) manager.add(make_pass(spec));
+  for (const PassSpec& spec : pipeline) {
+    if (!spec.enabled) manager.disable(spec.name);
+  }
   return manager;
+}
+
+PassManager make_pipeline(const PipelineOptions& options) {
+  return build_pipeline(shipping_pipeline(options));
 }
 
 int64_t smallest_feasible_budget(const Graph& graph) {

@@ -1,31 +1,38 @@
-// torch.classes.sharc.Scheduler: runs sharc's pass pipeline (sharc/compiler/pipeline.h)
-// over the IR text the Python FX bridge produces, and returns the schedule.
+// torch.classes.sharc.Scheduler: runs a pass pipeline (sharc/compiler/pipeline.h,
+// pipeline_text.h) over the IR text the Python FX bridge produces.
 //
-//   schedule_nodes(ir_text, gather_bucket_bytes=, reduce_bucket_bytes=,
-//                  disabled_passes=, trace=, memory_budget_bytes=,
-//                  collective_costs=, keep_for_backward=, raise_budget_to_feasible=,
-//                  keep_candidates=)
-//     -> (scheduled IR text,
-//         nodes: [(kind, outputs, operands, params)],
-//         passes: [(pass, rewrites, skipped)],
-//         trace: [(pass, "before" | "after", IR text)],
-//         params: [(id, dtype it is gathered in ("" if unknown), kept)],
-//         budget: the memory budget the schedule was held to (-1: none))
-//   with every list a list (value names without '%', parameter ids as ints).
-//   gather_bucket_bytes, reduce_bucket_bytes and memory_budget_bytes take -1
-//   for "unset" (chosen by the scheduler; no cap); collective_costs is [] (not measured) or the
-//   runtime's four numbers (Runtime::collective_costs). With
-//   raise_budget_to_feasible (a default budget, not the user's), a budget
-//   below the graph's smallest feasible one is raised to it instead of
-//   refused. keep_candidates (IR ids; None: all) limits what selective
-//   unsharding may keep to what the backward reads again.
+//   Scheduler.run(ir_text, pipeline, facts, trace=False) -> Schedule
+//     pipeline: the pipeline as text; "" runs the shipping pipeline. Each
+//       pass's arguments not written are taken from the shipping pipeline
+//       for these facts.
+//     facts: a ScheduleFacts, what the schedule is built from:
+//       memory_budget_bytes: int | None (None: no cap)
+//       budget_is_default: bool (a budget below the graph's smallest
+//         feasible one is raised to it instead of refused: the default
+//         rule's budget, not a user's)
+//       collective_costs: [] (not measured) or the runtime's four numbers
+//         (Runtime::collective_costs)
+//       keep_for_backward: bool (a forward graph whose backward reads
+//         parameters again: selective unsharding may keep them)
+//       keep_candidates: [IR ids] | None (None: every parameter)
+//   A Schedule's fields (read-only):
+//     ir: the scheduled IR text
+//     pipeline: the pipeline that ran, every argument written out (running it
+//       again on the same IR gives the same schedule: sharc-opt replays it)
+//     nodes: [(kind, outputs, operands, params)], value names without '%'
+//     passes: [(pass, skipped, {statistic: count})], "rewrites" among them
+//     trace: [(pass, "before" | "after", IR text)] when traced
+//     params: [(id, dtype it is gathered in ("" if unknown), kept)]
+//     budget: the memory budget the schedule was held to, or None
 //
-//   peak_gathered_bytes(ir_text) -> the most parameter bytes the schedule
-//   holds gathered at once (sharc/compiler/memory.h).
-//
-//   predict(ir_text, collective_costs) -> (end_us, exposed_us, compute_us):
-//   the timeline model's run of a schedule (sharc/compiler/timeline.h):
-//   when it ends, the time held in waits, and the compute costs' sum.
+//   Scheduler.pass_names() -> the shipping pipeline's passes, in order
+//   Scheduler.normalize_pipeline(text) -> the text parsed and printed again
+//     (a bad text raises, naming what is wrong)
+//   Scheduler.peak_gathered_bytes(ir_text) -> the most parameter bytes the
+//     schedule holds gathered at once (sharc/compiler/memory.h)
+//   Scheduler.predict(ir_text, collective_costs) -> (end_us, exposed_us,
+//     compute_us): the timeline model's run of a schedule
+//     (sharc/compiler/timeline.h)
 
 #include <algorithm>
 #include <optional>
@@ -56,9 +63,9 @@ struct Run {
   std::vector<Step> steps;
 };
 
-Run run_pipeline(const std::string& ir_text, const ir::PipelineOptions& options, bool trace) {
+Run run_pipeline(const std::string& ir_text, const ir::PipelineSpec& pipeline, bool trace) {
   Run run{ir::parse(ir_text), {}, {}};
-  ir::PassManager manager = ir::make_pipeline(options);
+  ir::PassManager manager = ir::build_pipeline(pipeline);
   if (trace) {
     manager.set_printer([&run](const std::string& pass, const std::string& when,
                                const std::string& text) {
@@ -69,14 +76,12 @@ Run run_pipeline(const std::string& ir_text, const ir::PipelineOptions& options,
   return run;
 }
 
-// ---------------------------------------------------------- schedule_nodes
+// ---------------------------------------------------------------- Schedule
 
 using NodeTuple = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
                              std::vector<int64_t>>;
-using PassTuple = std::tuple<std::string, int64_t, bool>;
+using PassTuple = std::tuple<std::string, bool, c10::Dict<std::string, int64_t>>;
 using ParamTuple = std::tuple<int64_t, std::string, bool>;
-using Scheduled = std::tuple<std::string, std::vector<NodeTuple>, std::vector<PassTuple>,
-                             std::vector<Step>, std::vector<ParamTuple>, int64_t>;
 
 // (kind, outputs, operands, params). A scheduled graph reads no parameter
 // directly (the final rules forbid it), so every operand is a value name.
@@ -90,64 +95,99 @@ NodeTuple to_tuple(const ir::Node& n) {
   return {ir::to_string(n.kind), n.outputs, operands, n.params};
 }
 
-std::optional<int64_t> unless_negative(int64_t value) {
-  return value < 0 ? std::nullopt : std::optional<int64_t>(value);
-}
+struct ScheduleFacts : torch::CustomClassHolder {
+  std::optional<int64_t> memory_budget_bytes;
+  bool budget_is_default = false;
+  std::vector<double> collective_costs;
+  bool keep_for_backward = false;
+  std::optional<std::vector<int64_t>> keep_candidates;
 
-ir::PipelineOptions pipeline_options(int64_t gather_bucket_bytes, int64_t reduce_bucket_bytes,
-                                     std::vector<std::string> disabled_passes,
-                                     int64_t memory_budget_bytes,
-                                     const std::vector<double>& collective_costs,
-                                     bool keep_for_backward,
-                                     const std::optional<std::vector<int64_t>>& keep_candidates) {
-  SHARC_CHECK(collective_costs.empty() || collective_costs.size() == 4,
-              "sharc: collective_costs takes 4 numbers (all-gather latency, all-gather time "
-              "per byte, reduce-scatter latency, reduce-scatter time per byte), got ",
-              collective_costs.size());
-  ir::PipelineOptions options;
-  options.gather_bucket_bytes = unless_negative(gather_bucket_bytes);
-  options.reduce_bucket_bytes = unless_negative(reduce_bucket_bytes);
-  options.disabled_passes = std::move(disabled_passes);
-  options.memory_budget_bytes = unless_negative(memory_budget_bytes);
-  if (!collective_costs.empty()) {
-    options.gather_cost = CollectiveCost{collective_costs[0], collective_costs[1]};
-    options.reduce_cost = CollectiveCost{collective_costs[2], collective_costs[3]};
+  ir::PipelineOptions options() const {
+    SHARC_CHECK(collective_costs.empty() || collective_costs.size() == 4,
+                "sharc: collective_costs takes 4 numbers (all-gather latency, all-gather time "
+                "per byte, reduce-scatter latency, reduce-scatter time per byte), got ",
+                collective_costs.size());
+    SHARC_CHECK(!memory_budget_bytes || *memory_budget_bytes >= 0,
+                "sharc: memory_budget_bytes must be None or at least 0, got ",
+                *memory_budget_bytes);
+    ir::PipelineOptions o;
+    o.memory_budget_bytes = memory_budget_bytes;
+    if (!collective_costs.empty()) {
+      o.gather_cost = CollectiveCost{collective_costs[0], collective_costs[1]};
+      o.reduce_cost = CollectiveCost{collective_costs[2], collective_costs[3]};
+    }
+    o.keep_for_backward = keep_for_backward;
+    if (keep_candidates) {
+      o.keep_candidates = std::set<int64_t>(keep_candidates->begin(), keep_candidates->end());
+    }
+    return o;
   }
-  options.keep_for_backward = keep_for_backward;
-  if (keep_candidates) {
-    options.keep_candidates = std::set<int64_t>(keep_candidates->begin(), keep_candidates->end());
-  }
-  return options;
-}
+};
 
-// Throws sharc::Error on bad IR, an unknown pass name or a violated rule.
-Scheduled schedule_nodes(std::string ir_text, int64_t gather_bucket_bytes,
-                         int64_t reduce_bucket_bytes, std::vector<std::string> disabled_passes,
-                         bool trace, int64_t memory_budget_bytes,
-                         std::vector<double> collective_costs, bool keep_for_backward,
-                         bool raise_budget_to_feasible,
-                         std::optional<std::vector<int64_t>> keep_candidates) {
-  ir::PipelineOptions options =
-      pipeline_options(gather_bucket_bytes, reduce_bucket_bytes, std::move(disabled_passes),
-                       memory_budget_bytes, collective_costs, keep_for_backward,
-                       keep_candidates);
-  if (raise_budget_to_feasible && options.memory_budget_bytes) {
-    // A default budget (not the user's) never makes a graph uncompilable.
-    options.memory_budget_bytes = std::max(
-        *options.memory_budget_bytes, ir::smallest_feasible_budget(ir::parse(ir_text)));
-  }
-  const Run run = run_pipeline(ir_text, options, trace);
+struct Schedule : torch::CustomClassHolder {
+  std::string ir;
+  std::string pipeline;
   std::vector<NodeTuple> nodes;
-  for (const ir::Node& n : run.graph.nodes) nodes.push_back(to_tuple(n));
   std::vector<PassTuple> passes;
-  for (const ir::PassRecord& r : run.passes) passes.emplace_back(r.name, r.rewrites, r.skipped);
-  // The dtype each parameter is gathered in (cast_before_gather may narrow it).
+  std::vector<Step> trace;
   std::vector<ParamTuple> params;
-  for (const auto& [id, p] : run.graph.params) {
-    params.emplace_back(id, p.dtype.value_or(""), p.kept);
+  std::optional<int64_t> budget;
+};
+
+// The pipeline to run: `text` (or the shipping one) with the arguments it
+// leaves out taken from the facts.
+ir::PipelineSpec pipeline_for(const std::string& text, const ir::Graph& graph,
+                              const ScheduleFacts& facts) {
+  ir::PipelineOptions options = facts.options();
+  if (facts.budget_is_default && options.memory_budget_bytes) {
+    // A default budget (not the user's) never makes a graph uncompilable.
+    options.memory_budget_bytes =
+        std::max(*options.memory_budget_bytes, ir::smallest_feasible_budget(graph));
   }
-  return {ir::print(run.graph), nodes, passes, run.steps, params,
-          options.memory_budget_bytes.value_or(-1)};
+  if (text.find_first_not_of(" \t\n") == std::string::npos) {
+    return ir::shipping_pipeline(options);
+  }
+  return ir::complete_pipeline(ir::parse_pipeline(text), options);
+}
+
+std::optional<int64_t> pipeline_budget(const ir::PipelineSpec& pipeline) {
+  for (const ir::PassSpec& spec : pipeline) {
+    if (spec.name != "check_memory_budget" || !spec.enabled) continue;
+    auto it = spec.args.find("budget");
+    if (it != spec.args.end() && it->second != "none") return std::stoll(it->second);
+  }
+  return std::nullopt;
+}
+
+// Throws sharc::Error on bad IR or pipeline text, an unknown pass or
+// argument, or a violated rule.
+c10::intrusive_ptr<Schedule> run(std::string ir_text, std::string pipeline_text,
+                                 c10::intrusive_ptr<ScheduleFacts> facts, bool trace) {
+  const ir::PipelineSpec pipeline = pipeline_for(pipeline_text, ir::parse(ir_text), *facts);
+  const Run run = run_pipeline(ir_text, pipeline, trace);
+  auto schedule = c10::make_intrusive<Schedule>();
+  schedule->ir = ir::print(run.graph);
+  schedule->pipeline = ir::print_pipeline(pipeline);
+  for (const ir::Node& n : run.graph.nodes) schedule->nodes.push_back(to_tuple(n));
+  for (const ir::PassRecord& r : run.passes) {
+    c10::Dict<std::string, int64_t> stats;
+    for (const auto& [key, value] : r.stats) stats.insert(key, value);
+    schedule->passes.emplace_back(r.name, r.skipped, std::move(stats));
+  }
+  schedule->trace = run.steps;
+  // The dtype each parameter is gathered in (cast_before_gather may narrow it).
+  for (const auto& [id, p] : run.graph.params) {
+    schedule->params.emplace_back(id, p.dtype.value_or(""), p.kept);
+  }
+  schedule->budget = pipeline_budget(pipeline);
+  return schedule;
+}
+
+std::string normalize_pipeline(std::string text) {
+  const ir::PipelineSpec pipeline = ir::parse_pipeline(text);
+  // The names and arguments exist (those left out filled in as they will be).
+  for (const ir::PassSpec& spec : ir::complete_pipeline(pipeline, {})) ir::make_pass(spec);
+  return ir::print_pipeline(pipeline);
 }
 
 int64_t peak_gathered_bytes(std::string ir_text) {
@@ -156,8 +196,9 @@ int64_t peak_gathered_bytes(std::string ir_text) {
 
 std::tuple<double, double, double> predict(std::string ir_text,
                                            std::vector<double> collective_costs) {
-  const ir::PipelineOptions options =
-      pipeline_options(-1, -1, {}, -1, collective_costs, false, std::nullopt);
+  ScheduleFacts facts;
+  facts.collective_costs = std::move(collective_costs);
+  const ir::PipelineOptions options = facts.options();
   const ir::Graph graph = ir::parse(ir_text);
   const ir::Timeline line = ir::predict(graph, {options.gather_cost, options.reduce_cost});
   double compute = 0.0;
@@ -173,21 +214,31 @@ class Scheduler : public torch::CustomClassHolder {};
 }  // namespace sharc
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
-  const sharc::ir::PipelineOptions defaults;
+  using sharc::Schedule;
+  using sharc::ScheduleFacts;
+  m.class_<ScheduleFacts>("ScheduleFacts")
+      .def(torch::init<>())
+      .def_readwrite("memory_budget_bytes", &ScheduleFacts::memory_budget_bytes)
+      .def_readwrite("budget_is_default", &ScheduleFacts::budget_is_default)
+      .def_readwrite("collective_costs", &ScheduleFacts::collective_costs)
+      .def_readwrite("keep_for_backward", &ScheduleFacts::keep_for_backward)
+      .def_readwrite("keep_candidates", &ScheduleFacts::keep_candidates);
+  m.class_<Schedule>("Schedule")
+      .def_readonly("ir", &Schedule::ir)
+      .def_readonly("pipeline", &Schedule::pipeline)
+      .def_readonly("nodes", &Schedule::nodes)
+      .def_readonly("passes", &Schedule::passes)
+      .def_readonly("trace", &Schedule::trace)
+      .def_readonly("params", &Schedule::params)
+      .def_readonly("budget", &Schedule::budget);
   m.class_<sharc::Scheduler>("Scheduler")
-      .def_static("schedule_nodes", &sharc::schedule_nodes,
-                  "Runs the pass pipeline; returns (IR text, nodes, passes, trace, params, budget)",
-                  {torch::arg("ir_text"),
-                   torch::arg("gather_bucket_bytes") = -1,
-                   torch::arg("reduce_bucket_bytes") = -1,
-                   torch::arg("disabled_passes") = c10::List<std::string>(),
-                   torch::arg("trace") = false,
-                   torch::arg("memory_budget_bytes") = -1,
-                   torch::arg("collective_costs") = c10::List<double>(),
-                   torch::arg("keep_for_backward") = false,
-                   torch::arg("raise_budget_to_feasible") = false,
-                   torch::arg("keep_candidates") = c10::IValue()})
+      .def_static("run", &sharc::run, "Runs a pass pipeline over IR text; returns a Schedule",
+                  {torch::arg("ir_text"), torch::arg("pipeline"), torch::arg("facts"),
+                   torch::arg("trace") = false})
       .def_static("pass_names", &sharc::ir::pipeline_pass_names)
+      .def_static("normalize_pipeline", &sharc::normalize_pipeline,
+                  "A pipeline's text parsed, checked and printed again",
+                  {torch::arg("text")})
       .def_static("peak_gathered_bytes", &sharc::peak_gathered_bytes,
                   "The most parameter bytes an IR schedule holds gathered at once",
                   {torch::arg("ir_text")})

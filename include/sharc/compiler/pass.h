@@ -38,12 +38,17 @@ class Pass {
   /// Rewrites the graph; returns the number of rewrites made.
   virtual int64_t run(Graph& graph) = 0;
   virtual Contract contract() const { return {}; }
+  /// Named counts of what the last run did, beyond its rewrite count
+  /// ("buckets", "kept_bytes", "exposed_us_after", ...); empty by default.
+  virtual std::map<std::string, int64_t> statistics() const { return {}; }
 };
 
 struct PassRecord {
   std::string name;
   int64_t rewrites = 0;
   bool skipped = false;  ///< switched off by name
+  /// The pass's statistics(), and "rewrites"; empty when skipped.
+  std::map<std::string, int64_t> stats;
 };
 
 class PassManager {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sharc/compiler/pass.h"
+#include "sharc/compiler/pipeline_text.h"
 #include "sharc/core/collective_cost.h"
 
 namespace sharc::ir {
@@ -50,7 +51,25 @@ int64_t auto_gather_bucket_bytes(const std::optional<CollectiveCost>& gather_cos
 /// pass over its gradients on this rank) and 64 MiB; without one, 4 MiB.
 int64_t auto_reduce_bucket_bytes(const std::optional<CollectiveCost>& reduce_cost);
 
-/// A PassManager running sharc's passes in order: regather_in_backward,
+/// The shipping pipeline as text (pipeline_text.h), every pass's argument
+/// written out: bucket caps chosen from the costs when unset, the budget,
+/// the costs, the keep candidates; passes in `disabled_passes` switched off
+/// (an unknown name throws sharc::Error listing the passes). Running it
+/// (build_pipeline) schedules exactly as make_pipeline(options) does; it is
+/// what a dumped schedule records, and what sharc-opt replays.
+PipelineSpec shipping_pipeline(const PipelineOptions& options);
+
+/// `given` with each pass's missing arguments taken from the shipping
+/// pipeline for `options` (the measured facts): a pipeline written by hand
+/// may name only what it changes (`bucket_allgathers{bytes=4096}`).
+PipelineSpec complete_pipeline(const PipelineSpec& given, const PipelineOptions& options);
+
+/// A PassManager running `pipeline`'s passes in its order, switched-off
+/// ones listed but not run; its final rules cap the gathered bytes at
+/// check_memory_budget's budget when it has one.
+PassManager build_pipeline(const PipelineSpec& pipeline);
+
+/// build_pipeline(shipping_pipeline(options)): sharc's passes in order: regather_in_backward,
 /// cast_before_gather, check_memory_budget, keep_gathered_params,
 /// insert_gather_release, bucket_allgathers, prefetch_gathers,
 /// insert_reduce_scatter, prefetch_by_cost, place_reduce_waits,

@@ -153,7 +153,7 @@ class _Rebuild:
 def rebuild(original: fx.Graph, lowered: LoweredGraph,
             nodes: list[tuple[str, list[str], list[str], list[int]]],
             dtypes: dict[int, str], graph_kind: int, budget: int) -> fx.Graph:
-    """The new graph for `original` scheduled as `nodes`: Scheduler.schedule_nodes'
+    """The new graph for `original` scheduled as `nodes`: Schedule.nodes'
     (kind, outputs, value operands, parameter ids), in order, with each
     parameter gathered in `dtypes`' dtype (its IR name; "" for as it is).
     `graph_kind` (ops.FORWARD_GRAPH or BACKWARD_GRAPH) and `budget` (the

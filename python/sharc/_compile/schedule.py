@@ -49,30 +49,34 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
             compute = profile_compute(gm.graph)
             collective = list(runtime.collective_costs())
     lowered = lower(gm.graph, compute, dict(runtime.persistent_params()))
-    budget = config.memory_budget_bytes
-    text, nodes, passes, trace, params, held_to = torch.classes.sharc.Scheduler.schedule_nodes(
-        lowered.text,
-        gather_bucket_bytes=-1 if config.gather_bucket_bytes is None else
-        config.gather_bucket_bytes,
-        reduce_bucket_bytes=-1 if config.reduce_bucket_bytes is None else
-        config.reduce_bucket_bytes,
-        disabled_passes=list(config.disable_passes),
-        trace=config.dump_ir is not None,
-        memory_budget_bytes=default_budget(lowered, group_name) if budget is None else budget,
-        collective_costs=collective,
-        keep_for_backward=kind == "forward",
-        keep_candidates=[s.ir_id for s in lowered.slots.values()
-                         if (s.group, s.pid) in read_in_backward],
-        raise_budget_to_feasible=budget is None)
+    schedule = torch.classes.sharc.Scheduler.run(
+        lowered.text, config.pipeline_text(),
+        _facts(config, lowered, group_name, collective, kind, read_in_backward),
+        config.dump_ir is not None)
     if config.dump_ir is not None:
-        _dump(config.dump_ir, kind, lowered.text, passes, trace, text)
-    _keep(runtime, lowered, params)
+        _dump(config.dump_ir, kind, lowered.text, schedule)
+    _keep(runtime, lowered, schedule.params)
     graph_kind = BACKWARD_GRAPH if kind == "backward" else FORWARD_GRAPH
-    gm.graph = rebuild(gm.graph, lowered, nodes, {p: dtype for p, dtype, _ in params},
-                       graph_kind, held_to)
+    gm.graph = rebuild(gm.graph, lowered, schedule.nodes,
+                       {p: dtype for p, dtype, _ in schedule.params}, graph_kind,
+                       -1 if schedule.budget is None else schedule.budget)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _facts(config: CompileConfig, lowered, group_name: str, collective: list[float], kind: str,
+           read_in_backward):
+    """What the graph is scheduled from, beyond the pipeline's settings."""
+    facts = torch.classes.sharc.ScheduleFacts()
+    budget = config.memory_budget_bytes
+    facts.memory_budget_bytes = default_budget(lowered, group_name) if budget is None else budget
+    facts.budget_is_default = budget is None
+    facts.collective_costs = collective
+    facts.keep_for_backward = kind == "forward"
+    facts.keep_candidates = [s.ir_id for s in lowered.slots.values()
+                             if (s.group, s.pid) in read_in_backward]
+    return facts
 
 
 def default_budget(lowered, group_name: str) -> int:
@@ -113,31 +117,37 @@ def _keep(runtime, lowered, params) -> None:
             runtime.set_persistent(slot.pid, True)
 
 
-def _dump(directory: str, kind: str, before: str, passes: list[tuple[str, int, bool]],
-          trace: list[tuple[str, str, str]], after: str) -> None:
+def _dump(directory: str, kind: str, before: str, schedule) -> None:
+    """The graph's IR before the passes, each pass's before and after (with
+    its statistics), the scheduled IR, and the pipeline that ran, every
+    argument written out: `sharc-opt STEM.before.ir --pipeline-file
+    STEM.pipeline` replays the schedule."""
     os.makedirs(directory, exist_ok=True)
     stem = os.path.join(directory, f"rank{_rank()}_{next(_graph_ids):03d}_{kind}")
     with open(stem + ".before.ir", "w") as f:
         f.write(before)
     with open(stem + ".passes.ir", "w") as f:
-        f.write(_passes_text(passes, trace))
+        f.write(_passes_text(schedule.passes, schedule.trace))
     with open(stem + ".after.ir", "w") as f:
-        f.write(after)
+        f.write(schedule.ir)
+    with open(stem + ".pipeline", "w") as f:
+        f.write(schedule.pipeline + "\n")
 
 
-def _passes_text(passes: list[tuple[str, int, bool]], trace: list[tuple[str, str, str]]) -> str:
+def _passes_text(passes, trace: list[tuple[str, str, str]]) -> str:
     """The IR before and after each pass, in pipeline order, each after-IR
-    headed by the pass's rewrite count; switched-off passes get one line."""
+    headed by the pass's statistics; switched-off passes get one line."""
     steps: dict[str, dict[str, str]] = {}
     for name, when, ir in trace:
         steps.setdefault(name, {})[when] = ir
     lines = []
-    for name, rewrites, skipped in passes:
+    for name, skipped, stats in passes:
         if skipped:
             lines.append(f"# ---- {name} switched off\n")
             continue
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(stats.items()))
         lines.append(f"# ---- before {name}\n{steps[name]['before']}\n")
-        lines.append(f"# ---- after {name} ({rewrites} rewrites)\n{steps[name]['after']}\n")
+        lines.append(f"# ---- after {name} ({counts})\n{steps[name]['after']}\n")
     return "".join(lines)
 
 

@@ -19,6 +19,9 @@ bool is_gather_pair(const Graph& graph, size_t i) {
 }
 
 class BucketAllGathers : public Pass {
+  int64_t cap_used_ = 0;
+  int64_t buckets_ = 0;
+
  public:
   BucketAllGathers(int64_t bucket_bytes, std::optional<int64_t> budget)
       : bucket_bytes_(bucket_bytes), budget_(budget) {}
@@ -41,9 +44,18 @@ class BucketAllGathers : public Pass {
       const int64_t rewrites = bucket(bucketed, cap);
       if (!budget_ || rewrites == 0 || peak_gathered(bucketed).bytes <= *budget_) {
         graph = std::move(bucketed);
+        cap_used_ = cap;
+        buckets_ = 0;
+        for (const Node& n : graph.nodes) buckets_ += n.kind == NodeKind::Gather;
         return rewrites;
       }
     }
+  }
+
+  // The cap the budget left (bucket_bytes halved until the schedule fit)
+  // and the gathers (collectives) the graph issues.
+  std::map<std::string, int64_t> statistics() const override {
+    return {{"cap_bytes", cap_used_}, {"buckets", buckets_}};
   }
 
  private:

@@ -28,6 +28,7 @@ class KeepGatheredParams : public Pass {
   Contract contract() const override { return {{}, {}, {}, {Rule::GathersInserted}}; }
 
   int64_t run(Graph& graph) override {
+    kept_bytes_ = 0;
     if (!budget_ || !cost_) return 0;
     const int64_t headroom = *budget_ - plain_schedule_peak(graph).bytes;
     int64_t allowance = headroom / 2;
@@ -37,9 +38,14 @@ class KeepGatheredParams : public Pass {
       if (param.bytes > allowance) continue;
       param.kept = true;
       allowance -= param.bytes;
+      kept_bytes_ += param.bytes;
       ++kept;
     }
     return kept;
+  }
+
+  std::map<std::string, int64_t> statistics() const override {
+    return {{"kept_bytes", kept_bytes_}};
   }
 
  private:
@@ -67,6 +73,7 @@ class KeepGatheredParams : public Pass {
   std::optional<int64_t> budget_;
   std::optional<CollectiveCost> cost_;
   std::optional<std::set<int64_t>> candidates_;
+  int64_t kept_bytes_ = 0;
 };
 
 }  // namespace

@@ -24,6 +24,9 @@ bool is_collective(const Node& n) {
 // of one of its parameters. Under a memory budget, no further than the
 // schedule stays within it.
 class PrefetchByCost : public Pass {
+  int64_t exposed_before_ = 0;
+  int64_t exposed_after_ = 0;
+
  public:
   PrefetchByCost(CollectiveCostModel costs, std::optional<int64_t> budget)
       : costs_(costs), budget_(budget) {}
@@ -37,7 +40,9 @@ class PrefetchByCost : public Pass {
   }
 
   int64_t run(Graph& graph) override {
+    exposed_before_ = exposed_after_ = 0;
     if (!costs_.gather || !has_compute_costs(graph)) return 0;
+    exposed_before_ = static_cast<int64_t>(predict(graph, costs_).exposed_us);
     int64_t moved = 0;
     for (size_t k = 0; k < graph.nodes.size(); ++k) {
       if (graph.nodes[k].kind != NodeKind::Gather) continue;
@@ -48,7 +53,14 @@ class PrefetchByCost : public Pass {
       graph.nodes.insert(graph.nodes.begin() + static_cast<std::ptrdiff_t>(to), std::move(gather));
       ++moved;
     }
+    exposed_after_ = static_cast<int64_t>(predict(graph, costs_).exposed_us);
     return moved;
+  }
+
+  // The predicted time the computation waits on collectives, in whole
+  // microseconds, before and after the moves.
+  std::map<std::string, int64_t> statistics() const override {
+    return {{"exposed_us_before", exposed_before_}, {"exposed_us_after", exposed_after_}};
   }
 
  private:
