@@ -12,8 +12,8 @@ namespace {
 
 class Verifier {
  public:
-  Verifier(const Graph& graph, const VerifyOptions& options)
-      : graph_(graph), options_(options), dependence_(graph) {}
+  Verifier(const Graph& graph, const VerifyOptions& options, const Dependence& dependence)
+      : graph_(graph), options_(options), dependence_(dependence) {}
 
   std::vector<std::string> run() {
     for (size_t i = 0; i < graph_.nodes.size(); ++i) {
@@ -318,7 +318,7 @@ class Verifier {
 
   const Graph& graph_;
   VerifyOptions options_;
-  Dependence dependence_;
+  const Dependence& dependence_;
   std::vector<std::string> errors_;
   std::set<std::string> defined_;
   std::map<std::string, std::vector<int64_t>> gathers_;  // gather value -> params
@@ -337,7 +337,13 @@ class Verifier {
 }  // namespace
 
 std::vector<std::string> verify(const Graph& graph, const VerifyOptions& options) {
-  return Verifier(graph, options).run();
+  const Dependence dependence(graph);
+  return verify(graph, options, dependence);
+}
+
+std::vector<std::string> verify(const Graph& graph, const VerifyOptions& options,
+                                const Dependence& dependence) {
+  return Verifier(graph, options, dependence).run();
 }
 
 }  // namespace sharc::ir

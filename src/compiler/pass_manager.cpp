@@ -44,19 +44,19 @@ std::vector<std::string> PassManager::pass_names() const {
   return names;
 }
 
-void PassManager::check(const Graph& graph, const VerifyOptions& rules,
+void PassManager::check(const Graph& graph, Analyses& analyses, const VerifyOptions& rules,
                         const std::string& after) const {
-  const auto errors = verify(graph, rules);
+  const auto errors = verify(graph, rules, analyses.dependence());
   if (errors.empty()) return;
   std::string all;
   for (const auto& e : errors) all += "\n  " + e;
   throw Error(detail::concat("sharc: the IR is invalid ", after, ":", all));
 }
 
-void PassManager::check_final(const Graph& graph) const {
+void PassManager::check_final(const Graph& graph, Analyses& analyses) const {
   std::string off;
   for (const std::string& name : disabled_) off += (off.empty() ? "" : ", ") + name;
-  check(graph, final_rules_,
+  check(graph, analyses, final_rules_,
         off.empty() ? std::string("at the end of the pass pipeline")
                     : "at the end of the pass pipeline, with passes switched off (" + off +
                           "); switch them back on");
@@ -113,10 +113,15 @@ std::string PassManager::how_to_establish(size_t index, Rule rule) const {
 }
 
 std::vector<PassRecord> PassManager::run(Graph& graph) const {
+  Analyses analyses(graph);
+  return run(graph, analyses);
+}
+
+std::vector<PassRecord> PassManager::run(Graph& graph, Analyses& analyses) const {
   VerifyOptions holding = input_rules_;
   std::map<Rule, std::string> undone_by;       // rule -> the pass that undid it
   std::map<Rule, std::string> established_by;  // rule -> the pass that established it
-  check(graph, holding, "on input");
+  check(graph, analyses, holding, "on input");
   std::vector<PassRecord> records;
   for (size_t i = 0; i < passes_.size(); ++i) {
     Pass& pass = *passes_[i];
@@ -128,9 +133,10 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
     check_required(i, holding, undone_by);
     check_precedes(i, holding, established_by);
     if (printer_) printer_(name, "before", print(graph));
-    const int64_t rewrites = pass.run(graph);
+    const int64_t rewrites = pass.run(graph, analyses);
     if (printer_) printer_(name, "after", print(graph));
     const Contract contract = pass.contract();
+    analyses.invalidate_except(contract.preserved);
     for (Rule rule : contract.undone) {
       holding.waive(rule);
       undone_by[rule] = name;
@@ -140,12 +146,12 @@ std::vector<PassRecord> PassManager::run(Graph& graph) const {
       undone_by.erase(rule);
       established_by[rule] = name;
     }
-    check(graph, holding, "after pass '" + name + "'");
+    check(graph, analyses, holding, "after pass '" + name + "'");
     std::map<std::string, int64_t> stats = pass.statistics();
     stats["rewrites"] = rewrites;
     records.push_back({name, rewrites, false, std::move(stats)});
   }
-  check_final(graph);
+  check_final(graph, analyses);
   return records;
 }
 

@@ -310,5 +310,29 @@ TEST(PassManager, InvalidInputIsRejectedBeforeAnyPass) {
   EXPECT_THROW(default_pipeline().run(g), Error);
 }
 
+TEST(PassManager, AnalysesAreComputedOnceAndAgainOnlyAfterAPassThatChangesThem) {
+  Graph g = parse(
+      "param @0 \"a\" bytes=4096\n"
+      "param @1 \"b\" bytes=64\n"
+      "%x = input bytes=16\n"
+      "%y = compute \"mm\" %x @0 bytes=16\n"
+      "%z = compute \"add\" %y @1 bytes=16\n"
+      "output %z\n");
+  const PassManager manager = build_pipeline(parse_pipeline(
+      "check_memory_budget{budget=100000},"
+      "keep_gathered_params{budget=100000,gather_latency_us=50,gather_us_per_byte=0.01},"
+      "insert_gather_release"));
+  Analyses analyses(g);
+  manager.run(g, analyses);
+  // check_memory_budget and keep_gathered_params both weigh the plain
+  // schedule: computed once (the first preserves it).
+  EXPECT_EQ(analyses.computed(Analysis::PlainSchedulePeak), 1);
+  // The input's verification, both passes that preserve it and insertion
+  // share one dependence; insertion moves nodes, so the verification after
+  // it computes it again: 2, where recomputing per ask would be 5.
+  EXPECT_EQ(analyses.computed(Analysis::Dependence), 2);
+  EXPECT_TRUE(g.params.at(1).kept);
+}
+
 }  // namespace
 }  // namespace sharc::ir

@@ -219,5 +219,8 @@ class VerifyOptions {
 /// message per violation (empty if none).
 std::vector<std::string> verify(const Graph& graph,
                                 const VerifyOptions& options = VerifyOptions::complete());
+/// The same with `graph`'s dependence already computed (analysis.h).
+std::vector<std::string> verify(const Graph& graph, const VerifyOptions& options,
+                                const Dependence& dependence);
 
 }  // namespace sharc::ir

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "sharc/compiler/analysis.h"
 #include "sharc/compiler/ir.h"
 
 namespace sharc::ir {
@@ -29,14 +30,23 @@ struct Contract {
   /// Must not hold yet when the pass runs: it works on what establishing
   /// them rewrites away, so after them it would quietly find nothing to do.
   std::vector<Rule> precedes = {};
+  /// Analyses still valid after the pass: it leaves alone what they depend
+  /// on. Everything else is computed again when next asked for.
+  std::vector<Analysis> preserved = {};
 };
 
 class Pass {
  public:
   virtual ~Pass() = default;
   virtual std::string name() const = 0;
-  /// Rewrites the graph; returns the number of rewrites made.
-  virtual int64_t run(Graph& graph) = 0;
+  /// Rewrites the graph; returns the number of rewrites made. `analyses`
+  /// are over `graph` as it was when the pass started.
+  virtual int64_t run(Graph& graph, Analyses& analyses) = 0;
+  /// The same with analyses of its own (a pass run alone).
+  int64_t run(Graph& graph) {
+    Analyses analyses(graph);
+    return run(graph, analyses);
+  }
   virtual Contract contract() const { return {}; }
   /// Named counts of what the last run did, beyond its rewrite count
   /// ("buckets", "kept_bytes", "exposed_us_after", ...); empty by default.
@@ -75,10 +85,15 @@ class PassManager {
   /// the result with the final rules. Throws sharc::Error on the first
   /// violation.
   std::vector<PassRecord> run(Graph& graph) const;
+  /// The same, asking `analyses` (over `graph`) for what passes and the
+  /// verifier need: each analysis is computed once, and again only after a
+  /// pass that does not preserve it.
+  std::vector<PassRecord> run(Graph& graph, Analyses& analyses) const;
 
  private:
-  void check(const Graph& graph, const VerifyOptions& rules, const std::string& after) const;
-  void check_final(const Graph& graph) const;
+  void check(const Graph& graph, Analyses& analyses, const VerifyOptions& rules,
+             const std::string& after) const;
+  void check_final(const Graph& graph, Analyses& analyses) const;
   void check_required(size_t index, const VerifyOptions& holding,
                       const std::map<Rule, std::string>& undone_by) const;
   void check_precedes(size_t index, const VerifyOptions& holding,

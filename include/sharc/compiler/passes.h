@@ -48,10 +48,6 @@ std::unique_ptr<Pass> make_cast_before_gather();
 /// Precedes: gathers inserted.
 std::unique_ptr<Pass> make_check_memory_budget(std::optional<int64_t> budget_bytes);
 
-/// The peak of gathered bytes of `graph`'s plain schedule (see above); the
-/// graph reads its parameters directly.
-GatheredPeak plain_schedule_peak(const Graph& graph);
-
 /// Selective unsharding: marks `kept` parameters this graph reads, so they
 /// stay gathered from forward to backward (no re-gather) and across steps
 /// (gathered once per step, when their shard has changed). Greedy by the

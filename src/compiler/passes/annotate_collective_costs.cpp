@@ -16,10 +16,12 @@ class AnnotateCollectiveCosts : public Pass {
   std::string name() const override { return "annotate_collective_costs"; }
 
   Contract contract() const override {
-    return {{Rule::GathersInserted, Rule::GradientsReduced}, {}, {}};
+    // Costs are attributes: no node moves, no parameter changes.
+    return {{Rule::GathersInserted, Rule::GradientsReduced}, {}, {}, {},
+            {Analysis::Dependence, Analysis::PlainSchedulePeak}};
   }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     int64_t annotated = 0;
     for (Node& n : graph.nodes) {
       if (n.kind == NodeKind::Gather && gather_) {

@@ -38,7 +38,7 @@ class BucketAllGathers : public Pass {
   // of its bytes living longer), otherwise it opens the next bucket.
   // Under a memory budget, the cap halves until the bucketed schedule fits
   // (a bucket keeps its later members, and a staging buffer, alive early).
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     for (int64_t cap = bucket_bytes_;; cap /= 2) {
       Graph bucketed = graph;
       const int64_t rewrites = bucket(bucketed, cap);

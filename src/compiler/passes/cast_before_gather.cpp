@@ -26,7 +26,7 @@ class CastBeforeGather : public Pass {
   // It sees a parameter's reads only while they are direct (`@k` operands).
   Contract contract() const override { return {{}, {}, {}, {Rule::GathersInserted}}; }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     const std::map<int64_t, ParamReads> reads = find_reads(graph);
     const std::set<std::string> kept = kept_values(graph);
     std::map<std::string, int64_t> replaced;  // a removed cast's output -> its parameter

@@ -6,12 +6,6 @@
 
 namespace sharc::ir {
 
-GatheredPeak plain_schedule_peak(const Graph& graph) {
-  Graph plain = graph;
-  make_insert_gather_release()->run(plain);
-  return peak_gathered(plain);
-}
-
 namespace {
 
 // Refuses a budget no schedule of this graph fits in, before any pass
@@ -24,11 +18,15 @@ class CheckMemoryBudget : public Pass {
   std::string name() const override { return "check_memory_budget"; }
 
   // It measures the plain schedule from the direct reads insertion rewrites.
-  Contract contract() const override { return {{}, {}, {}, {Rule::GathersInserted}}; }
+  // It rewrites nothing, so every analysis stays valid.
+  Contract contract() const override {
+    return {{}, {}, {}, {Rule::GathersInserted},
+            {Analysis::Dependence, Analysis::PlainSchedulePeak}};
+  }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses& analyses) override {
     if (!budget_) return 0;
-    const GatheredPeak plain = plain_schedule_peak(graph);
+    const GatheredPeak plain = analyses.plain_schedule_peak();
     if (*budget_ >= plain.bytes) return 0;
     throw Error(detail::concat(
         "sharc: memory_budget_bytes=", *budget_, " is below the smallest budget this graph "

@@ -18,10 +18,10 @@ class InsertGatherRelease : public Pass {
  public:
   std::string name() const override { return "insert_gather_release"; }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses& analyses) override {
     const std::map<int64_t, Uses> uses = find_uses(graph);
     if (uses.empty()) return 0;
-    const Dependence dependence(graph);
+    const Dependence& dependence = analyses.dependence();
     std::vector<Node> out;
     for (size_t i = 0; i < graph.nodes.size(); ++i) {
       for (const auto& [p, u] : uses) {

@@ -11,7 +11,7 @@ class InsertReduceScatter : public Pass {
 
   std::string name() const override { return "insert_reduce_scatter"; }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     int64_t buckets = 0;
     std::vector<Node> out;
     Bucket bucket;

@@ -25,12 +25,15 @@ class KeepGatheredParams : public Pass {
   std::string name() const override { return "keep_gathered_params"; }
 
   // It marks parameters read directly; insertion then serves them.
-  Contract contract() const override { return {{}, {}, {}, {Rule::GathersInserted}}; }
+  // Marking parameters kept changes no node (the plain peak does change).
+  Contract contract() const override {
+    return {{}, {}, {}, {Rule::GathersInserted}, {Analysis::Dependence}};
+  }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses& analyses) override {
     kept_bytes_ = 0;
     if (!budget_ || !cost_) return 0;
-    const int64_t headroom = *budget_ - plain_schedule_peak(graph).bytes;
+    const int64_t headroom = *budget_ - analyses.plain_schedule_peak().bytes;
     int64_t allowance = headroom / 2;
     int64_t kept = 0;
     for (int64_t p : by_time_saved_per_byte(graph)) {

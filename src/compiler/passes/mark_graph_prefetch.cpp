@@ -21,7 +21,7 @@ class MarkGraphPrefetch : public Pass {
   // It reads where the gathers, waits and releases finally are.
   Contract contract() const override { return {{Rule::GathersInserted}, {}, {}}; }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     std::optional<size_t> last_gather, last_wait, last_release;
     for (size_t i = 0; i < graph.nodes.size(); ++i) {
       const NodeKind kind = graph.nodes[i].kind;

@@ -19,7 +19,7 @@ class PlaceReduceWaits : public Pass {
     return {{Rule::GradientsReduced}, {Rule::ReductionsWaited}, {}};
   }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     const std::set<std::string> waited = waited_tokens(graph);
     int64_t placed = 0;
     std::vector<Node> out;

@@ -39,7 +39,7 @@ class PrefetchByCost : public Pass {
     return {{Rule::GathersInserted, Rule::GradientsReduced}, {}, {Rule::WaitsFollowGathers}};
   }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     exposed_before_ = exposed_after_ = 0;
     if (!costs_.gather || !has_compute_costs(graph)) return 0;
     exposed_before_ = static_cast<int64_t>(predict(graph, costs_).exposed_us);

@@ -24,7 +24,7 @@ class PrefetchGathers : public Pass {
     return {{Rule::GathersInserted}, {}, {Rule::WaitsFollowGathers}};
   }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     int64_t moved = 0;
     std::vector<Node> out;
     bool seen_wait = false;

@@ -9,7 +9,7 @@ class RegatherInBackward : public Pass {
  public:
   std::string name() const override { return "regather_in_backward"; }
 
-  int64_t run(Graph& graph) override {
+  int64_t run(Graph& graph, Analyses&) override {
     std::map<std::string, int64_t> saved;  // value -> parameter
     std::vector<Node> kept;
     for (Node& n : graph.nodes) {
