@@ -141,6 +141,11 @@ COMPILE_CONFIG_CASES = [
     (dict(memory_budget_bytes=-5), ValueError, "memory_budget_bytes must be an int >= 0"),
     (dict(memory_budget_bytes="1GB"), ValueError, "memory_budget_bytes must be an int >= 0"),
     (dict(profile="yes"), TypeError, "CompileConfig.profile must be a bool"),
+    (dict(pipeline=5), TypeError, "CompileConfig.pipeline must be a str, got 5"),
+    (dict(pipeline="nope"), ValueError, "CompileConfig.pipeline: sharc pipeline: no pass named 'nope'"),
+    (dict(pipeline="bucket_allgathers{bytes=x}"), ValueError, "bytes=x of pass 'bucket_allgathers' is not an integer"),
+    (dict(pipeline="insert_gather_release", gather_bucket_bytes=5), ValueError,
+     "which gather_bucket_bytes edits; write it in the pipeline text instead"),
 ]
 
 
