@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
+#include "sharc/runtime/collective_headers.h"
 #include "sharc/runtime/device_storage.h"
 #include "sharc/core/error.h"
 
@@ -81,6 +83,29 @@ void ShardedParam::free_base() {
       "`module.weight.detach()` stored in a forward hook). Keep a copy instead "
       "(`module.weight.detach().clone()` inside forward), or read the parameter again "
       "where you need it (on every rank: outside forward it is gathered on access)"));
+}
+
+at::Tensor ShardedParam::wire_view(int64_t elements) {
+  c10::Storage storage = base.storage();
+  storage.set_nbytes(elements * static_cast<int64_t>(base.element_size()));
+  at::Tensor wire = at::empty({0}, base.options());
+  wire.set_(storage, 0, {elements}, {1});
+  return wire;
+}
+
+void ShardedParam::compact_rows(int64_t world, int64_t row, int64_t header) {
+  at::Tensor wire = wire_view(world * (row + header));
+  const int64_t size = static_cast<int64_t>(base.element_size());
+  for (int64_t r = 1; r < world; ++r) {
+    if (wire.is_cpu()) {  // rows overlap their destinations: memmove
+      auto* data = static_cast<char*>(wire.mutable_data_ptr());
+      std::memmove(data + r * row * size, data + r * (row + header) * size,
+                   static_cast<size_t>(row * size));
+    } else {
+      wire.narrow(0, r * row, row).copy_(wire.narrow(0, r * (row + header), row).clone());
+    }
+  }
+  wire.storage().set_nbytes(full_bytes());
 }
 
 void ShardedParam::retype_base(c10::ScalarType dtype) {
@@ -165,38 +190,60 @@ void Runtime::claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype) {
     p.state.begin_gather();
   }
   p.retype_base(dtype);
-  allocate_storage(storage, p.full_bytes());
+  // Room for every rank's collective header beyond the padded bytes: a
+  // single parameter is gathered in place (see compact_rows).
+  allocate_storage(storage, p.full_bytes() + comm_.world_size() * kHeaderBytes);
+  storage.set_nbytes(p.full_bytes());
   accounting_.on_gathered(p.full_bytes());
 }
 
 // The cast happens here, on the shard: the collective sends `dtype`'s bytes.
+// Each rank's row ends with its collective header; the ranks agree on the
+// collective before anything is claimed (a divergence leaves them as they
+// were).
 void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype) {
   RECORD_FUNCTION("sharc::start_gather", std::vector<c10::IValue>());
+  const int64_t world = comm_.world_size();
   auto gather = std::make_shared<GatherInFlight>();
-  std::vector<at::Tensor> inputs;
-  int64_t row = 0;
+  gather->ids = ids;
+  for (int64_t id : ids) {
+    gather->offsets.push_back(gather->row);
+    gather->row += param(id).layout.shard_numel();
+  }
+  const int64_t row = gather->row;
+  std::optional<CollectiveAgreement::Issue> issue;
+  at::Tensor input;
+  if (row > 0) {  // else zero-size parameters only: nothing to send
+    gather->header = header_elements(dtype);
+    input = at::empty({row + gather->header}, param(ids[0]).shard.options().dtype(dtype));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const ShardedParam& p = param(ids[i]);
+      input.narrow(0, gather->offsets[i], p.layout.shard_numel()).copy_(p.shard.detach());
+    }
+    const WireShape shape{WireShape::kAllGather, static_cast<int64_t>(dtype), row + gather->header};
+    issue = agree_locked(kAllGather, ids, shape, input.device());
+    write_header(input.narrow(0, row, gather->header), issue->header);
+  }
   for (int64_t id : ids) {
     ShardedParam& p = param(id);
     claim_buffer_locked(p, dtype);
     p.gathered_version = p.shard._version();
     p.pending = gather;
-    gather->offsets.push_back(row);
-    row += p.layout.shard_numel();
-    inputs.push_back(p.shard.detach().to(dtype));
   }
-  gather->ids = ids;
-  if (row == 0) return;  // zero-size parameters only: nothing to send
-  at::Tensor input = inputs.size() == 1 ? inputs[0] : at::cat(inputs);
-  agree_locked(kAllGather, ids, input.device());
-  at::Tensor output = param(ids[0]).base;
+  if (!issue) return;
+  const int64_t wire_numel = world * (row + gather->header);
   if (ids.size() > 1) {
-    gather->staging = at::empty({comm_.world_size() * row}, input.options());
-    accounting_.on_gathered(gather->staging.nbytes());
-    output = gather->staging;
+    gather->staging = at::empty({wire_numel}, input.options());
+    accounting_.on_gathered(world * row * static_cast<int64_t>(input.element_size()));
+    gather->wire = gather->staging;
+  } else {
+    gather->wire = param(ids[0]).wire_view(wire_numel);
   }
+  gather->seq = issue->seq;
+  unsettled_gathers_[issue->seq] = gather;
   gather->on_cpu = input.is_cpu();
-  gather->work = comm_.all_gather(output, input);
-  accounting_.on_allgather_sent((comm_.world_size() - 1) * static_cast<int64_t>(input.nbytes()));
+  gather->work = comm_.all_gather(gather->wire, input);
+  accounting_.on_allgather_sent((world - 1) * row * static_cast<int64_t>(input.element_size()));
 }
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
@@ -206,6 +253,15 @@ void Runtime::finish_gather_locked(GatherInFlight& gather) {
     if (gather.on_cpu) release_waited(gather.work);  // frees the (cast) shard sent here
   }
   gather.work.reset();
+  const bool sent = gather.wire.defined();
+  std::optional<Verdict> verdict;
+  CollectiveHeader mine;
+  if (sent && !agreement_.settled(gather.seq)) {
+    const auto rows = read_headers(gather.wire, comm_.world_size());
+    mine = rows.at(static_cast<size_t>(comm_.rank()));
+    verdict = agreement_.settle(gather.seq, rows, comm_.rank());
+    unsettled_gathers_.erase(gather.seq);
+  }
   const int64_t world = comm_.world_size();
   for (size_t i = 0; i < gather.ids.size(); ++i) {
     ShardedParam& p = param(gather.ids[i]);
@@ -213,14 +269,18 @@ void Runtime::finish_gather_locked(GatherInFlight& gather) {
       const int64_t width = p.layout.shard_numel();
       at::Tensor rows = gather.staging.view({world, -1});
       p.base.view({world, width}).copy_(rows.narrow(1, gather.offsets[i], width));
+    } else if (sent) {
+      p.compact_rows(world, gather.row, gather.header);
     }
     p.state.finish_gather();
     p.pending.reset();
   }
   if (gather.staging.defined()) {
-    accounting_.on_freed(gather.staging.nbytes());
+    accounting_.on_freed(world * gather.row * static_cast<int64_t>(gather.staging.element_size()));
     gather.staging = at::Tensor();
   }
+  gather.wire = at::Tensor();
+  if (verdict && verdict->kind != Verdict::kAgree) diverged_locked(*verdict, mine);
 }
 
 void Runtime::start_gather(const std::vector<int64_t>& ids,
@@ -277,18 +337,26 @@ at::Tensor Runtime::read_full(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   RECORD_FUNCTION("sharc::read_full", std::vector<c10::IValue>());
   ShardedParam& p = param(id);
-  at::Tensor padded = at::empty({p.layout.padded_numel()}, p.shard.options());
-  if (padded.numel() > 0) {
-    agree_locked(kFullRead, {id}, padded.device());
-    accounting_.on_gathered(padded.nbytes());
-    at::Tensor input = p.shard.detach();
-    comm_.all_gather(padded, input)->wait();
-    accounting_.on_allgather_sent((comm_.world_size() - 1) *
-                                  static_cast<int64_t>(p.shard.nbytes()));
-    accounting_.on_freed(padded.nbytes());
-  }
-  // The true-shape value, owning its storage (the padding dropped).
-  return padded.narrow(0, 0, p.layout.numel).clone().view(p.shape);
+  const int64_t world = comm_.world_size();
+  const int64_t width = p.layout.shard_numel();
+  if (width == 0) return at::empty(p.shape, p.shard.options());
+  const int64_t header = header_elements(p.shard.scalar_type());
+  at::Tensor input = at::empty({width + header}, p.shard.options());
+  input.narrow(0, 0, width).copy_(p.shard.detach());
+  const WireShape shape{WireShape::kAllGather, static_cast<int64_t>(p.shard.scalar_type()),
+                        width + header};
+  const auto issue = agree_locked(kFullRead, {id}, shape, input.device());
+  write_header(input.narrow(0, width, header), issue.header);
+  at::Tensor wire = at::empty({world * (width + header)}, p.shard.options());
+  const int64_t padded_bytes = p.layout.padded_numel() * static_cast<int64_t>(p.shard.element_size());
+  accounting_.on_gathered(padded_bytes);
+  comm_.all_gather(wire, input)->wait();
+  accounting_.on_allgather_sent((world - 1) * static_cast<int64_t>(p.shard.nbytes()));
+  accounting_.on_freed(padded_bytes);
+  settle_read_locked(issue.seq, wire, id);
+  // The true-shape value, owning its storage (headers and padding dropped).
+  return wire.view({world, width + header}).narrow(1, 0, width).reshape({-1})
+      .narrow(0, 0, p.layout.numel).clone().view(p.shape);
 }
 
 void Runtime::release(int64_t id) {
@@ -419,11 +487,18 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     if (!held[i]) columns += p.layout.shard_numel();
   }
   const at::TensorOptions options = full_grads[0].options().dtype(bucket_dtype);
+  const int64_t token = next_reduction_token_++;
   if (std::all_of(held.begin(), held.end(), [](bool h) { return h; })) {  // nothing to send
     for (size_t i = 0; i < ids.size(); ++i) hold_unreduced(param(ids[i]), full_grads[i]);
     pending.out = at::empty({0}, options);
   } else {
-    at::Tensor input = at::empty({world, columns + 1}, options);
+    // Then the collective header's bits, summed over the ranks (see
+    // [Note: collective agreement]); agreed on before any gradient moves.
+    const int64_t width = columns + 1 + CollectiveHeader::kBits;
+    const WireShape shape{WireShape::kAllToAll, static_cast<int64_t>(bucket_dtype), world * width};
+    const auto issue = agree_locked(kReduceScatter, ids, shape, options.device());
+    at::Tensor input = at::empty({world, width}, options);
+    write_header_bits(input.narrow(1, columns + 1, CollectiveHeader::kBits), issue.header);
     int64_t column = 0;
     for (size_t i = 0; i < ids.size(); ++i) {
       ShardedParam& p = param(ids[i]);
@@ -439,19 +514,20 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
     input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
     pending.input = input.view({-1});
-    pending.out = at::empty({columns + 1}, options);
-    agree_locked(kReduceScatter, ids, input.device());
-    pending.work = comm_.reduce_scatter_sum(pending.out, pending.input);
+    pending.wire = at::empty({width}, options);
+    pending.out = pending.wire.narrow(0, 0, columns + 1);
+    pending.seq = issue.seq;
+    unsettled_reductions_[issue.seq] = token;
+    pending.work = comm_.reduce_scatter_sum(pending.wire, pending.input);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
   }
-  const int64_t token = next_reduction_token_++;
   reductions_.emplace(token, std::move(pending));
   return token;
 }
 
 std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
   RECORD_FUNCTION("sharc::wait_reduce_scatter", std::vector<c10::IValue>());
-  PendingReduction pending;
+  c10::intrusive_ptr<c10d::Work> work;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = reductions_.find(token);
@@ -461,13 +537,20 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
     SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
                 " in group '", comm_.group_name(), "' was waited on already; each reduction "
                 "is waited on once");
-    pending = std::move(it->second);
-    reductions_.erase(it);
+    work = it->second.work;
   }
-  if (pending.work) {
-    const int64_t ns = timed_wait(*pending.work);
+  const int64_t ns = work ? timed_wait(*work) : 0;  // outside the lock: backward runs on
+  work.reset();
+  PendingReduction pending;
+  {
     std::lock_guard<std::mutex> lock(mutex_);
     accounting_.on_reduce_wait(ns);
+    auto it = reductions_.find(token);
+    SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
+                " was waited on by two threads at once");
+    pending = std::move(it->second);
+    reductions_.erase(it);
+    if (pending.work) settle_reduction_locked(pending);  // may raise: the ranks diverged
   }
   at::Tensor out = pending.out.div_(comm_.world_size());
   // A non-finite gradient on any rank makes every rank's shard gradients
@@ -747,96 +830,3 @@ int64_t Runtime::take_token(const at::Tensor& token_tensor) {
 
 }  // namespace sharc
 
-namespace sharc {
-namespace {
-
-// Indexed by Runtime::Collective.
-const char* const kCollectiveKinds[] = {"all-gather", "reduce-scatter", "full read"};
-const char* const kArticles[] = {"an ", "a ", "a "};
-
-}  // namespace
-
-void Runtime::set_verify_schedule(bool verify) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  verify_schedule_ = verify;
-}
-
-std::string Runtime::describe(int64_t kind, int64_t count, int64_t first) const {
-  const bool known = kind >= 0 && kind < 3 && first >= 0 &&
-                     first < static_cast<int64_t>(params_.size());
-  if (!known) return "an unknown collective";
-  std::string text = std::string(kArticles[kind]) + kCollectiveKinds[kind] + " of '" +
-                     params_[first]->name + "'";
-  if (count > 1) text += " and " + std::to_string(count - 1) + " more";
-  return text;
-}
-
-void Runtime::agree_locked(Collective kind, const std::vector<int64_t>& ids,
-                           c10::Device device) {
-  if (!verify_schedule_) return;
-  RECORD_FUNCTION("sharc::verify_schedule", std::vector<c10::IValue>());
-  uint64_t hash = 1469598103934665603ULL;  // FNV-1a over the ids, in order
-  for (int64_t id : ids) hash = (hash ^ static_cast<uint64_t>(id)) * 1099511628211ULL;
-  at::Tensor mine = at::tensor({static_cast<int64_t>(kind), static_cast<int64_t>(ids.size()), ids[0],
-                                static_cast<int64_t>(hash >> 1)}, at::kLong).to(device);
-  const int64_t world = comm_.world_size();
-  at::Tensor all = at::empty({world * 4}, mine.options());
-  comm_.all_gather(all, mine)->wait();
-  at::Tensor rows = all.view({world, 4}).cpu();
-  at::Tensor here = mine.cpu();
-  int64_t other = -1;  // the first rank about to issue something else
-  for (int64_t r = 0; r < world && other < 0; ++r) {
-    if (!at::equal(rows[r], here)) other = r;
-  }
-  bool diverged = false;  // the same answer on every rank: they all saw `rows`
-  for (int64_t r = 1; r < world; ++r) diverged = diverged || !at::equal(rows[r], rows[0]);
-  if (!diverged) return;
-  const std::string where = first_difference_locked(ids, rows, other, device);
-  if (other < 0) {
-    throw Error(detail::concat("sharc: the ranks diverged: other ranks are about to issue "
-                               "different collectives (verify_schedule)", where,
-                               ". Every rank must run the same sharded modules in the same "
-                               "order"));
-  }
-  const auto* theirs = rows[other].const_data_ptr<int64_t>();
-  throw Error(detail::concat(
-      "sharc: the ranks diverged: rank ", comm_.rank(), " is about to issue ",
-      describe(kind, static_cast<int64_t>(ids.size()), ids[0]), " while rank ", other,
-      " issues ", describe(theirs[0], theirs[1], theirs[2]), where,
-      ". Every rank must run the same sharded modules in the same order; a module whose "
-      "submodules run on some ranks only (mixture-of-experts routing) must be named in "
-      "ShardConfig.gather_units"));
-}
-
-// Every rank calls it once the ranks' (kind, count, first, hash) differ: the
-// full parameter lists, padded to the longest, are exchanged (one more
-// all-gather, on the way to an error) to name the first parameter where this
-// rank's list and rank `other`'s part.
-std::string Runtime::first_difference_locked(const std::vector<int64_t>& ids,
-                                             const at::Tensor& rows, int64_t other,
-                                             c10::Device device) {
-  const int64_t world = comm_.world_size();
-  const int64_t longest = rows.select(1, 1).max().item<int64_t>();
-  at::Tensor mine = at::full({longest}, -1, at::kLong);
-  for (size_t i = 0; i < ids.size(); ++i) mine[static_cast<int64_t>(i)] = ids[i];
-  mine = mine.to(device);
-  at::Tensor all = at::empty({world * longest}, mine.options());
-  comm_.all_gather(all, mine)->wait();
-  if (other < 0) return "";
-  at::Tensor lists = all.view({world, longest}).cpu();
-  const auto* a = lists[comm_.rank()].const_data_ptr<int64_t>();
-  const auto* b = lists[other].const_data_ptr<int64_t>();
-  auto name = [this](int64_t id) {
-    return id < 0 || id >= static_cast<int64_t>(params_.size())
-               ? std::string("nothing")
-               : "'" + params_[id]->name + "'";
-  };
-  for (int64_t i = 0; i < longest; ++i) {
-    if (a[i] == b[i]) continue;
-    return detail::concat("; their parameters first differ at position ", i + 1, ": ",
-                          name(a[i]), " here, ", name(b[i]), " on rank ", other);
-  }
-  return "";  // the same parameters: the kind of collective differs
-}
-
-}  // namespace sharc

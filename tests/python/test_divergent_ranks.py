@@ -5,6 +5,8 @@ collectives (the layer is gathered, re-gathered and reduced as one unit;
 unused experts contribute zero gradients), and training matches one
 unsharded process, eager and compiled."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -201,3 +203,106 @@ def test_a_recompile_on_one_rank_issues_no_collective():
         assert c_losses == pytest.approx(e_losses, rel=1e-5)
         for name in e_grads:
             torch.testing.assert_close(c_grads[name], e_grads[name], rtol=1e-4, atol=1e-6)
+
+
+# -- ranks that diverge, caught by default (no verify_schedule) ---------------------
+# Every collective carries each rank's header (see [Note: collective agreement]):
+# the ranks find a divergence in the collective where it happens, whether the
+# sizes match (which would mix parameters silently) or not (which would abort
+# or hang), and all raise, naming what each rank issued.
+class _Experts(nn.Module):
+    """Rank r runs experts[r]; with `same_shape` they cannot be told apart by
+    size. `warm` steps run expert 0 on every rank first, so the ranks have
+    a schedule to expect."""
+
+    def __init__(self, same_shape: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 6)
+        widths = (6, 6) if same_shape else (6, 10)
+        self.experts = nn.ModuleList(nn.Linear(6, w) for w in widths)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x, which: int):
+        h = self.experts[which](self.inp(x))
+        return self.out(h[:, :6]).pow(2).mean()
+
+
+def _routed(rank, world, mode, same_shape, warm):
+    import sharc
+
+    model = _Experts(same_shape)
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    x = torch.ones(2, 6)
+    for _ in range(warm):
+        step(x, 0).backward()
+    try:
+        loss = step(x, rank)  # the routing diverges here
+        loss.backward()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        return f"no error (loss {float(loss):.4f})"
+    try:  # the group refuses anything later rather than pair it wrongly
+        step(x, 0)
+    except RuntimeError as e:
+        return message, str(e)
+    return message, "a later collective was issued"
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("same_shape", [True, False], ids=["same-size", "other-size"])
+@pytest.mark.parametrize("warm", [0, 3], ids=["first-step", "after-3-steps"])
+def test_ranks_that_route_differently_all_raise_by_default(mode, same_shape, warm):
+    results = run_ranks(_routed, 2, mode, same_shape, warm, timeout=150)
+    for rank, result in enumerate(results):
+        assert isinstance(result, tuple), f"rank {rank}: {result}"
+        message, later = result
+        assert "the ranks diverged" in message, message
+        assert "ShardConfig.gather_units" in message
+        if mode == "eager":  # exact headers name what each rank gathered
+            # Before the collective where the ranks expected nothing alike
+            # yet (the first step), after it where they did.
+            assert re.search(f"rank {rank} (issued|is about to issue) an all-gather of '",
+                             message), message
+            assert re.search(f"while rank {1 - rank} (issued|issues) an all-gather of '",
+                             message), message
+            assert "'experts." in message, message
+        assert "the ranks diverged" in later and "cannot communicate any more" in later, later
+
+
+class _Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x, skip: int):
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def _skips(rank, world, mode):
+    import sharc
+
+    model = _Skip()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    for it in range(4):
+        try:
+            step(torch.ones(2, 6), 2 if (rank == 1 and it == 3) else -1).backward()
+        except RuntimeError as e:
+            return it, str(e)
+        opt.step()
+    return it, "no error"
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_rank_that_skips_a_layer_raises_instead_of_hanging(mode):
+    for rank, (step, message) in enumerate(run_ranks(_skips, 2, mode, timeout=150)):
+        assert step == 3, (rank, step, message)
+        assert "the ranks diverged" in message, message

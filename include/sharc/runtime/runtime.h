@@ -19,6 +19,7 @@
 #include <torch/custom_class.h>
 
 #include "sharc/core/accounting.h"
+#include "sharc/core/collective_agreement.h"
 #include "sharc/core/graph_sequence.h"
 #include "sharc/runtime/collective_probe.h"
 #include "sharc/runtime/communicator.h"
@@ -36,6 +37,12 @@ namespace sharc {
 struct GatherInFlight {
   c10::intrusive_ptr<c10d::Work> work;  ///< null when there was nothing to send
   at::Tensor staging;            ///< buckets only: world_size rows of the shards
+  /// What the collective writes: each rank's row (the shards, then the
+  /// rank's collective header: see [Note: collective agreement]).
+  at::Tensor wire;
+  int64_t seq = -1;              ///< its number in the group's agreed sequence
+  int64_t row = 0;               ///< elements of shards in each rank's row
+  int64_t header = 0;            ///< elements of header after them
   std::vector<int64_t> ids;      ///< parameters served, in staging order
   std::vector<int64_t> offsets;  ///< each one's column offset within a row
   bool on_cpu = false;           ///< sent from host memory (see release_waited)
@@ -47,7 +54,9 @@ struct GatherInFlight {
 struct PendingReduction {
   c10::intrusive_ptr<c10d::Work> work;
   at::Tensor input;
-  at::Tensor out;
+  at::Tensor out;   ///< the shard gradients, then the non-finite flag
+  at::Tensor wire;  ///< what the collective writes: `out`, then the header's bit sums
+  int64_t seq = -1; ///< its number in the group's agreed sequence
   std::vector<int64_t> widths;
   std::vector<c10::ScalarType> dtypes;  ///< each parameter's reduce dtype
   std::vector<bool> held;  ///< held back (no_sync, unit): no part in the collective
@@ -95,6 +104,14 @@ struct ShardedParam {
   /// Whether a handed-out tensor was written in place since it was handed
   /// out; forgets the write (it is reported once).
   bool take_in_place_write();
+  /// A flat tensor of `elements` elements of the base's dtype over its
+  /// storage, which claim_buffer_locked allocated with room for a
+  /// collective's headers beyond the padded bytes: what a single
+  /// parameter's all-gather writes before its rows are compacted.
+  at::Tensor wire_view(int64_t elements);
+  /// Moves rank r's row (`row` elements, followed by `header` more) to
+  /// r * row: the padded layout, once the headers were read.
+  void compact_rows(int64_t world, int64_t row, int64_t header);
   /// Frees the buffer's bytes in place; a read through any reference
   /// still holding the storage then raises an error naming the parameter.
   void free_base();
@@ -242,12 +259,14 @@ class Runtime : public torch::CustomClassHolder {
   /// Returns each flat shard gradient, averaged, in its reduce dtype.
   std::vector<at::Tensor> flush_unit(const std::vector<int64_t>& ids);
 
-  /// Before each collective, the ranks compare which one they are about to
-  /// issue (its kind and parameters) with one small all-gather and all
-  /// raise, naming what each rank was doing, if they differ: a rank that
-  /// took another path through forward fails at once instead of hanging or
-  /// gathering another rank's parameter. Off by default (one more
-  /// collective each); its traffic is not counted in stats().
+  /// Every collective carries each rank's header and is settled when it
+  /// completes (see [Note: collective agreement]): ranks that issue
+  /// different collectives all raise, naming what each one issued, and
+  /// the group refuses every later collective. With verify on, the ranks
+  /// also compare headers in one small all-gather before every collective
+  /// (its traffic not counted in stats()), which names the first parameter
+  /// where their lists differ and catches a divergence before the
+  /// collective instead of when it completes.
   void set_verify_schedule(bool verify);
 
   /// Frees each of `ids` that is gathered (or in flight, which is waited
@@ -296,11 +315,32 @@ class Runtime : public torch::CustomClassHolder {
 
  private:
   ShardedParam& param(int64_t id);
-  /// The collectives verify_schedule compares, by the value exchanged.
+  /// The kinds of collective the ranks agree on, by the value in headers.
   enum Collective : int64_t { kAllGather = 0, kReduceScatter = 1, kFullRead = 2 };
-  /// With verify_schedule on: the ranks agree they are all about to issue a
-  /// `kind` collective for `ids` (see set_verify_schedule), on `device`.
-  void agree_locked(Collective kind, const std::vector<int64_t>& ids, c10::Device device);
+  /// Plans the next collective, a `kind` for `ids` of `shape`, with the
+  /// other ranks (see [Note: collective agreement]): settles the one
+  /// kLag back first, then exchanges headers or sends a decoy where the
+  /// plan says. Returns the plan: its seq and this rank's header. Throws
+  /// (and marks the group diverged) where the ranks diverged; blocks for a
+  /// collective where the plan exchanges or sends a decoy.
+  CollectiveAgreement::Issue agree_locked(Collective kind, const std::vector<int64_t>& ids,
+                                          const WireShape& shape, c10::Device device);
+  /// Settles collective `seq`, finishing it first if it is in flight.
+  void settle_locked(int64_t seq);
+  /// Settles a gather from the headers in its wire (before its rows move).
+  void settle_gather_locked(const GatherInFlight& gather);
+  /// Settles a reduction from the bit sums in its wire (after its wait).
+  void settle_reduction_locked(const PendingReduction& pending);
+  /// Settles a full read from the headers in what it gathered.
+  void settle_read_locked(int64_t seq, const at::Tensor& wire, int64_t id);
+  /// Raises the verdict's error, naming what this rank and the others
+  /// issued, and refuses every later collective of the group.
+  [[noreturn]] void diverged_locked(const Verdict& verdict, const CollectiveHeader& mine);
+  /// The header exchange of an Exchange plan: throws if the ranks differ.
+  void exchange_headers_locked(const CollectiveHeader& mine, const std::vector<int64_t>& ids,
+                               c10::Device device);
+  /// A Decoy plan's decoy of `issue.wire`, carrying this rank's real header.
+  Verdict send_decoy_locked(const CollectiveAgreement::Issue& issue, c10::Device device);
   std::string describe(int64_t kind, int64_t count, int64_t first) const;
   /// On divergence: where this rank's parameter list and rank `other`'s
   /// first differ (a collective: every rank calls it with the rows agreed on).
@@ -356,6 +396,13 @@ class Runtime : public torch::CustomClassHolder {
   std::map<const void*, int64_t> token_tensors_;  ///< token_tensor() addresses
   bool gradient_sync_ = true;
   bool verify_schedule_ = false;
+  CollectiveAgreement agreement_;
+  /// Collectives issued and not settled yet, by seq: gathers and reductions
+  /// (by token).
+  std::map<int64_t, std::weak_ptr<GatherInFlight>> unsettled_gathers_;
+  std::map<int64_t, int64_t> unsettled_reductions_;
+  /// Set once the ranks diverged: the error every later collective raises.
+  std::string diverged_;
   GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
   bool end_of_backward_queued_ = false;
   /// The outputs of the forward graph that ran last (begin_forward_graph).

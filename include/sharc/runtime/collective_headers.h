@@ -1,0 +1,40 @@
+#pragma once
+// Collective headers (see [Note: collective agreement] in
+// sharc/core/collective_agreement.h) written into and read out of the
+// tensors a collective sends and delivers.
+//
+// An all-gather delivers each rank's bytes as they were sent, so its header
+// travels exactly: kHeaderBytes at the end of what each rank sends, in
+// whatever dtype that is. A reduction sums what the ranks send, so its
+// header travels as CollectiveHeader::kBits columns of 0 or 1 at the end of
+// every rank's row, and arrives as the number of ranks that set each bit.
+
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "sharc/core/collective_agreement.h"
+
+namespace sharc {
+
+/// Bytes of an exact header.
+constexpr int64_t kHeaderBytes = CollectiveHeader::kWords * 8;
+
+/// Elements of `dtype` that hold an exact header (at least kHeaderBytes).
+int64_t header_elements(c10::ScalarType dtype);
+
+/// Writes `header` into `tail` (header_elements(dtype) elements, contiguous).
+void write_header(at::Tensor tail, const CollectiveHeader& header);
+
+/// The headers in the last header_elements(dtype) of each of `world` rows
+/// of `gathered` (flat, world * row elements). Reads back to the host.
+std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t world);
+
+/// Writes `header`'s bits into `columns` (rows x kBits), every row alike.
+void write_header_bits(at::Tensor columns, const CollectiveHeader& header);
+
+/// Per-bit counts of ranks from `summed` (kBits elements, the sum of every
+/// rank's bits). Reads back to the host.
+std::vector<int64_t> read_header_bits(const at::Tensor& summed);
+
+}  // namespace sharc

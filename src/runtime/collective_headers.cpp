@@ -1,0 +1,54 @@
+#include "sharc/runtime/collective_headers.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+namespace sharc {
+
+int64_t header_elements(c10::ScalarType dtype) {
+  const int64_t size = static_cast<int64_t>(c10::elementSize(dtype));
+  return (kHeaderBytes + size - 1) / size;
+}
+
+void write_header(at::Tensor tail, const CollectiveHeader& header) {
+  const auto words = header.words();
+  at::Tensor host = at::empty({CollectiveHeader::kWords}, at::kLong);
+  std::copy(words.begin(), words.end(), host.mutable_data_ptr<int64_t>());
+  // Bytes, not values: any dtype carries them, and all-gathers move bytes.
+  at::Tensor bytes = tail.view(at::kByte).narrow(0, 0, kHeaderBytes);
+  bytes.copy_(host.view(at::kByte));
+}
+
+std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t world) {
+  const int64_t elements = header_elements(gathered.scalar_type());
+  at::Tensor tails = gathered.view({world, -1}).narrow(1, gathered.numel() / world - elements,
+                                                       elements);
+  at::Tensor host = tails.contiguous().view(at::kByte).view({world, -1})
+                        .narrow(1, 0, kHeaderBytes).to(at::kCPU).contiguous();
+  std::vector<CollectiveHeader> headers;
+  for (int64_t r = 0; r < world; ++r) {
+    int64_t words[CollectiveHeader::kWords];
+    std::memcpy(words, host[r].const_data_ptr<uint8_t>(), kHeaderBytes);
+    headers.push_back(CollectiveHeader::from_words(words));
+  }
+  return headers;
+}
+
+void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
+  const auto bits = header.bits();
+  at::Tensor host = at::empty({CollectiveHeader::kBits}, at::kFloat);
+  float* out = host.mutable_data_ptr<float>();
+  for (int i = 0; i < CollectiveHeader::kBits; ++i) out[i] = bits[i];
+  columns.copy_(host.to(columns.options()).expand_as(columns));
+}
+
+std::vector<int64_t> read_header_bits(const at::Tensor& summed) {
+  at::Tensor host = summed.to(at::kCPU, at::kDouble).contiguous();
+  const double* in = host.const_data_ptr<double>();
+  std::vector<int64_t> counts;
+  for (int64_t i = 0; i < host.numel(); ++i) counts.push_back(std::llround(in[i]));
+  return counts;
+}
+
+}  // namespace sharc

@@ -1,0 +1,203 @@
+// The Runtime's part in agreeing on every collective (see [Note: collective
+// agreement] in sharc/core/collective_agreement.h): planning each one with
+// the other ranks, settling it when it completes, and the errors.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include "sharc/core/error.h"
+#include "sharc/runtime/collective_headers.h"
+#include "sharc/runtime/runtime.h"
+
+namespace sharc {
+namespace {
+
+// Indexed by Runtime::Collective.
+const char* const kCollectiveKinds[] = {"all-gather", "reduce-scatter", "full read"};
+const char* const kArticles[] = {"an ", "a ", "a "};
+
+const char* const kDivergedAdvice =
+    ". Every rank must run the same sharded modules in the same order; a module whose "
+    "submodules run on some ranks only (mixture-of-experts routing) must be named in "
+    "ShardConfig.gather_units";
+
+}  // namespace
+
+void Runtime::set_verify_schedule(bool verify) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  verify_schedule_ = verify;
+}
+
+std::string Runtime::describe(int64_t kind, int64_t count, int64_t first) const {
+  const bool known = kind >= 0 && kind < 3 && first >= 0 &&
+                     first < static_cast<int64_t>(params_.size());
+  if (!known) return "an unknown collective";
+  std::string text = std::string(kArticles[kind]) + kCollectiveKinds[kind] + " of '" +
+                     params_[first]->name + "'";
+  if (count > 1) text += " and " + std::to_string(count - 1) + " more";
+  return text;
+}
+
+CollectiveAgreement::Issue Runtime::agree_locked(Collective kind, const std::vector<int64_t>& ids,
+                                                 const WireShape& shape, c10::Device device) {
+  SHARC_CHECK(diverged_.empty(), diverged_, " (at an earlier collective: this group's sharded "
+              "modules cannot communicate any more)");
+  while (auto seq = agreement_.unsettled_before_next()) settle_locked(*seq);
+  uint64_t fingerprint = CollectiveAgreement::fingerprint(kind, shape.dtype, ids);
+  fingerprint ^= shape.pack() * 0x9e3779b97f4a7c15ULL;  // held gradients change the shape
+  auto issue = agreement_.plan(fingerprint, shape, kind, static_cast<int64_t>(ids.size()),
+                               ids[0], verify_schedule_);
+  switch (issue.plan) {
+    case CollectiveAgreement::Plan::kExchange:
+      exchange_headers_locked(issue.header, ids, device);
+      break;
+    case CollectiveAgreement::Plan::kDecoy: {
+      const Verdict verdict = send_decoy_locked(issue, device);
+      if (verdict.kind == Verdict::kDiverged) diverged_locked(verdict, issue.header);
+      break;  // every rank sent a decoy alike: each issues its real collective
+    }
+    case CollectiveAgreement::Plan::kDirect:
+      break;
+  }
+  return issue;
+}
+
+void Runtime::settle_locked(int64_t seq) {
+  if (auto it = unsettled_gathers_.find(seq); it != unsettled_gathers_.end()) {
+    std::shared_ptr<GatherInFlight> gather = it->second.lock();
+    SHARC_CHECK(gather, "sharc: the all-gather numbered ", seq, " in group '",
+                comm_.group_name(), "' was dropped before it completed");
+    finish_gather_locked(*gather);  // settles it
+    return;
+  }
+  auto token = unsettled_reductions_.find(seq);
+  SHARC_CHECK(token != unsettled_reductions_.end(), "sharc: no collective numbered ", seq,
+              " is in flight in group '", comm_.group_name(), "'");
+  auto it = reductions_.find(token->second);
+  SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter numbered ", seq,
+              " in group '", comm_.group_name(), "' was dropped before it completed");
+  it->second.work->wait();  // waited again, and summed, by wait_reduce_scatter
+  settle_reduction_locked(it->second);
+}
+
+void Runtime::settle_reduction_locked(const PendingReduction& pending) {
+  if (agreement_.settled(pending.seq)) return;
+  const int64_t bits = CollectiveHeader::kBits;
+  const Verdict verdict = agreement_.settle_bits(
+      pending.seq, read_header_bits(pending.wire.narrow(0, pending.wire.numel() - bits, bits)),
+      comm_.world_size());
+  unsettled_reductions_.erase(pending.seq);
+  if (verdict.kind != Verdict::kAgree) diverged_locked(verdict, {});
+}
+
+void Runtime::settle_read_locked(int64_t seq, const at::Tensor& wire, int64_t id) {
+  const auto rows = read_headers(wire, comm_.world_size());
+  const Verdict verdict = agreement_.settle(seq, rows, comm_.rank());
+  if (verdict.kind != Verdict::kAgree) diverged_locked(verdict, rows.at(comm_.rank()));
+  (void)id;
+}
+
+void Runtime::diverged_locked(const Verdict& verdict, const CollectiveHeader& mine) {
+  std::string text;
+  if (verdict.other >= 0) {
+    text = detail::concat("sharc: the ranks diverged: rank ", comm_.rank(), " issued ",
+                          describe(mine.kind, mine.count, mine.first), " while rank ",
+                          verdict.other, " issued ",
+                          describe(verdict.theirs.kind, verdict.theirs.count, verdict.theirs.first),
+                          kDivergedAdvice);
+  } else if (verdict.kind == Verdict::kRedo) {
+    text = "sharc: the ranks diverged: every rank sent a decoy where it expected a real "
+           "collective (a sharc bug: please report it)";
+  } else {
+    text = detail::concat("sharc: the ranks diverged: rank ", comm_.rank(), "'s collective "
+                          "does not match what every other rank issued at the same point (a "
+                          "reduce-scatter: the ranks reduced different gradients)",
+                          kDivergedAdvice);
+  }
+  diverged_ = text;
+  throw Error(text);
+}
+
+Verdict Runtime::send_decoy_locked(const CollectiveAgreement::Issue& issue, c10::Device device) {
+  RECORD_FUNCTION("sharc::decoy", std::vector<c10::IValue>());
+  const int64_t world = comm_.world_size();
+  const auto dtype = static_cast<c10::ScalarType>(issue.wire.dtype);
+  const at::TensorOptions options = at::TensorOptions().dtype(dtype).device(device);
+  CollectiveHeader header = issue.header;
+  header.decoy = true;
+  const int64_t numel = issue.wire.numel;
+  if (issue.wire.op == WireShape::kAllGather) {
+    at::Tensor input = at::zeros({numel}, options);
+    const int64_t elements = header_elements(dtype);
+    write_header(input.narrow(0, numel - elements, elements), header);
+    at::Tensor wire = at::empty({world * numel}, options);
+    comm_.all_gather(wire, input)->wait();
+    return CollectiveAgreement::judge(read_headers(wire, world), comm_.rank());
+  }
+  const int64_t width = numel / world, bits = CollectiveHeader::kBits;
+  at::Tensor input = at::zeros({world, width}, options);
+  write_header_bits(input.narrow(1, width - bits, bits), header);
+  at::Tensor flat = input.view({-1});
+  at::Tensor wire = at::empty({width}, options);
+  comm_.reduce_scatter_sum(wire, flat)->wait();
+  return CollectiveAgreement::judge_bits(read_header_bits(wire.narrow(0, width - bits, bits)),
+                                         world);
+}
+
+void Runtime::exchange_headers_locked(const CollectiveHeader& mine,
+                                      const std::vector<int64_t>& ids, c10::Device device) {
+  RECORD_FUNCTION("sharc::agree", std::vector<c10::IValue>());
+  const int64_t world = comm_.world_size();
+  const auto words = mine.words();
+  at::Tensor here = at::tensor(c10::ArrayRef<int64_t>(words.data(), words.size()), at::kLong);
+  at::Tensor mine_on_device = here.to(device);
+  at::Tensor all = at::empty({world * CollectiveHeader::kWords}, mine_on_device.options());
+  comm_.all_gather(all, mine_on_device)->wait();
+  at::Tensor rows = all.view({world, CollectiveHeader::kWords}).cpu();
+  std::vector<CollectiveHeader> headers;
+  for (int64_t r = 0; r < world; ++r) {
+    headers.push_back(CollectiveHeader::from_words(rows[r].const_data_ptr<int64_t>()));
+  }
+  const Verdict verdict = CollectiveAgreement::judge(headers, comm_.rank());
+  if (verdict.kind == Verdict::kAgree) return;
+  // The same answer on every rank (they all saw `rows`): name the first
+  // parameter where the lists part, with one more exchange on every rank.
+  const std::string where = first_difference_locked(ids, rows, verdict.other, device);
+  diverged_ = detail::concat(
+      "sharc: the ranks diverged: rank ", comm_.rank(), " is about to issue ",
+      describe(mine.kind, mine.count, mine.first), " while rank ", verdict.other, " issues ",
+      describe(verdict.theirs.kind, verdict.theirs.count, verdict.theirs.first), where,
+      kDivergedAdvice);
+  throw Error(diverged_);
+}
+
+// Every rank calls it once the ranks' headers differ: the full parameter
+// lists, padded to the longest, are exchanged (one more all-gather, on the
+// way to an error) to name the first parameter where this rank's list and
+// rank `other`'s part.
+std::string Runtime::first_difference_locked(const std::vector<int64_t>& ids, const at::Tensor& rows,
+                                             int64_t other, c10::Device device) {
+  const int64_t world = comm_.world_size();
+  const int64_t longest = std::max<int64_t>(rows.select(1, 4).max().item<int64_t>(), 1);
+  at::Tensor mine = at::full({longest}, -1, at::kLong);
+  for (size_t i = 0; i < ids.size(); ++i) mine[static_cast<int64_t>(i)] = ids[i];
+  mine = mine.to(device);
+  at::Tensor all = at::empty({world * longest}, mine.options());
+  comm_.all_gather(all, mine)->wait();
+  at::Tensor lists = all.view({world, longest}).cpu();
+  const auto* a = lists[comm_.rank()].const_data_ptr<int64_t>();
+  const auto* b = lists[other].const_data_ptr<int64_t>();
+  auto name = [this](int64_t id) {
+    return id < 0 || id >= static_cast<int64_t>(params_.size())
+               ? std::string("nothing")
+               : "'" + params_[id]->name + "'";
+  };
+  for (int64_t i = 0; i < longest; ++i) {
+    if (a[i] == b[i]) continue;
+    return detail::concat("; their parameters first differ at position ", i + 1, ": ",
+                          name(a[i]), " here, ", name(b[i]), " on rank ", other);
+  }
+  return "";  // the same parameters: the kind of collective differs
+}
+
+}  // namespace sharc
