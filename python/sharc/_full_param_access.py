@@ -86,6 +86,46 @@ def _deepcopy(module: torch.nn.Module, memo):
     refuse_deepcopy(module._sharc_original_class.__name__)
 
 
+def _rnn_forward(module: torch.nn.RNNBase, *args, **kwargs):
+    """[Note: a recurrent layer's weight list]
+    nn.RNNBase (RNN, LSTM, GRU) hands its weights to its kernel as a list,
+    `_flat_weights`, which it keeps between calls and refills only when a
+    weight read gives another tensor. Kept as it is, the list holds every
+    gathered weight past its release, so the eager schedule hands those
+    buffers over to it (a warning per weight) and the whole layer stays
+    full-size between steps, outside sharc's byte counts. On a sharded RNN
+    the list lives for one forward: filled here by reads through sharc
+    (gathered in this forward's scope), emptied before the scope closes,
+    and left empty everywhere else (`_init_flat_weights`, called by shard()
+    and by `_apply`)."""
+    module._flat_weights = [getattr(module, n) for n in module._flat_weights_names]
+    try:
+        return super(type(module), module).forward(*args, **kwargs)
+    finally:
+        _empty_flat_weights(module)
+
+
+def _empty_flat_weights(module: torch.nn.RNNBase) -> None:
+    count = len(module._flat_weights_names)
+    module._flat_weights = [None] * count
+    module._flat_weight_refs = [None] * count
+
+
+def _rnn_attributes(cls: type) -> dict:
+    """See [Note: a recurrent layer's weight list]."""
+    if not issubclass(cls, torch.nn.RNNBase):
+        return {}
+    return {
+        "forward": _rnn_forward,
+        "_init_flat_weights": _empty_flat_weights,
+        "_update_flat_weights": lambda module: None,  # forward fills the list itself
+        # cuDNN's flattening would move the gathered weights into a buffer of
+        # its own (set_), outside sharc's accounting; they are gathered anew
+        # each forward, so there is nothing lasting to flatten.
+        "flatten_parameters": lambda module: None,
+    }
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs = {name: _full_param_property(name) for name in names}
@@ -93,6 +133,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs["_apply"] = _apply
     attrs["__deepcopy__"] = _deepcopy
     attrs["__setattr__"] = _setattr
+    attrs.update(_rnn_attributes(cls))
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
 
 
@@ -101,3 +142,5 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
     `state.refs`."""
     attach(module, state)
     module.__class__ = _sharded_class(type(module), tuple(sorted(state.refs)))
+    if isinstance(module, torch.nn.RNNBase):
+        _empty_flat_weights(module)  # it held the unsharded parameters

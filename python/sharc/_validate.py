@@ -130,7 +130,8 @@ def check_keep_gathered(names: tuple[str, ...], named) -> None:
 
 def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):
     """(name, submodule) for every module a ShardConfig.gather_units pattern
-    names; each pattern must match, and no unit may sit inside another."""
+    names; each pattern must match modules that are called, and no unit may
+    sit inside another."""
     import fnmatch
 
     named = list(module.named_modules())
@@ -141,6 +142,8 @@ def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):
             raise ValueError(f"ShardConfig.gather_units names {pattern!r}, which matches no "
                              "module; use names from module.named_modules(), e.g. "
                              + repr([n for n, _ in named if n][:3]))
+        for name, sub in hits:
+            _check_called(pattern, name, sub, named)
         units += [h for h in hits if h not in units]
     for outer, _ in units:
         for inner, _ in units:
@@ -148,3 +151,29 @@ def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):
                 raise ValueError(f"ShardConfig.gather_units: unit '{inner}' lies inside unit "
                                  f"'{outer}'; name only the outer one")
     return units
+
+
+def _never_called(module: torch.nn.Module) -> bool:
+    """A module without a forward of its own (ModuleList, ModuleDict,
+    ParameterList, ...): calling it raises, so its forward hooks never run."""
+    return "forward" not in module.__dict__ and type(module).forward is torch.nn.Module.forward
+
+
+def _check_called(pattern: str, name: str, module: torch.nn.Module, named) -> None:
+    """A unit is gathered by hooks on its forward: one that is never called
+    (a container whose entries are used one by one) would gather nothing,
+    and the ranks' divergent uses of its entries would still mismatch."""
+    if not _never_called(module):
+        return
+    modules = dict(named)
+    caller = name
+    while caller and _never_called(modules[caller]):
+        caller = caller.rpartition(".")[0]
+    instead = f"'{caller}'" if caller else "the root module ('')"
+    matched = "" if pattern == name else f" (matched by {pattern!r})"
+    raise ValueError(
+        f"ShardConfig.gather_units names '{name}'{matched}, a {type(module).__name__}: it has "
+        "no forward and is never called, so its unit, gathered when its forward starts, "
+        "would never be, and ranks whose data uses different entries of it would still "
+        f"issue different collectives. Name the module whose forward uses it instead: "
+        f"{instead}")

@@ -26,7 +26,9 @@ class ShardConfig:
     such as "layers.*.moe" allowed) whose parameters are gathered, re-gathered
     for backward and reduce-scattered together, as one unit that every rank
     enters, whatever its data does inside. Name each mixture-of-experts layer
-    (or any module whose submodules run on some ranks only) here: see
+    (or any module whose submodules run on some ranks only) here, the module
+    that is called, never a container of its parts (`moe`, not the
+    ModuleList `moe.experts`: shard() refuses that): see
     docs/design/eager-schedule.md, "Ranks that take different paths"."""
 
     verify_schedule: bool = False

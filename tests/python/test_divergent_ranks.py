@@ -89,6 +89,46 @@ def test_a_unit_name_that_matches_nothing_is_named():
         assert "'mixture'" in message and "matches no module" in message
 
 
+class _Scaled(nn.Module):
+    """A ParameterList the root's forward indexes: never called either."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.ones(WIDTH)) for _ in range(2))
+
+    def forward(self, x):
+        return x * self.scales[0] * self.scales[1]
+
+
+def _unit_never_called(rank, world):
+    import sharc
+
+    messages = []
+    for pattern, module in (("moe.experts", make()), ("*.experts", make()),
+                            ("scales", _Scaled())):
+        try:
+            sharc.shard(module, config=sharc.ShardConfig(gather_units=(pattern,)))
+            messages.append("accepted")
+        except ValueError as e:
+            messages.append(str(e))
+            # Refused before anything changed: it shards with a unit that is called.
+            sharc.shard(module, config=sharc.ShardConfig(gather_units=("moe",) if
+                                                         pattern != "scales" else ()))
+    return messages
+
+
+def test_a_unit_that_is_never_called_is_refused_naming_its_caller():
+    """`moe.experts` is a ModuleList: only its entries run, so a unit on it
+    would never be gathered and the ranks' routing would still make them
+    issue different collectives (gloo aborts). shard() refuses it before
+    changing anything, naming the module to name instead."""
+    for experts, pattern, scales in run_ranks(_unit_never_called, 2):
+        assert experts.startswith("ShardConfig.gather_units names 'moe.experts', a ModuleList")
+        assert "is never called" in experts and experts.endswith("instead: 'moe'")
+        assert "'moe.experts' (matched by '*.experts')" in pattern
+        assert "'scales', a ParameterList" in scales and scales.endswith("the root module ('')")
+
+
 # -- a rank that takes another path, caught by verify_schedule ------------------------
 class _Skipper(torch.nn.Module):
     """Rank 1 skips the middle layer: a bug, not routing."""

@@ -9,6 +9,8 @@ tensors that must match the first), a parametrized weight (weight_norm's
 with a padding index and one with sparse gradients."""
 
 import functools
+import gc
+import warnings
 
 import pytest
 import torch
@@ -148,3 +150,83 @@ def test_the_users_saved_tensor_hooks_see_every_save():
     scenario.assert_matches_reference(results, reference, 2, rtol=1e-4, atol=1e-5)
     for r in results:
         assert len(r["counts"]) == len(counts) > 0
+
+
+class TwoLayerRecurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(2 * WIDTH, 2 * WIDTH, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(2 * WIDTH, 2 * WIDTH, num_layers=2, batch_first=True)
+        self.rnn = nn.RNN(2 * WIDTH, WIDTH, batch_first=True)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        h, _ = self.rnn(h)
+        return F.mse_loss(self.head(h[:, -1]).squeeze(-1), y)
+
+
+def _make_two_layer_recurrent():
+    torch.manual_seed(0)
+    return TwoLayerRecurrent()
+
+
+def _wide_batch(step, rank, world):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(2, 5, 2 * WIDTH, generator=g), torch.randn(2, generator=g)
+
+
+def _full_size_tensors(shapes) -> list[tuple[int, ...]]:
+    """The shapes of every live tensor in this process that has one of
+    `shapes` and memory: a full weight something still holds (a released
+    buffer has none)."""
+    gc.collect()
+    # type(), not isinstance(): that asks some objects for __class__, and
+    # torch.distributed.reduce_op warns when asked anything.
+    return [tuple(o.shape) for o in gc.get_objects()
+            if issubclass(type(o), torch.Tensor) and tuple(o.shape) in shapes
+            and o.untyped_storage().nbytes() > 0]
+
+
+def _rank_recurrent(rank, world, mode):
+    """A sharded run that looks for full weights alive before and after each
+    step, and records every warning."""
+    model = _make_two_layer_recurrent()
+    # Shards are flat: a shape that some shard has too (a bias as long as a
+    # shard of a weight, a one-element parameter) cannot tell them apart.
+    shard_shapes = {(-(-p.numel() // world),) for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} - shard_shapes
+    del model
+    alive = []
+
+    def step(step_fn, inputs):
+        alive.append(_full_size_tensors(shapes))
+        loss = scenario._default_step(step_fn, inputs)
+        alive.append(_full_size_tensors(shapes))
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = scenario.run_sharded(rank, world, _make_two_layer_recurrent, _wide_batch, mode, 3,
+                                   train_step=step)
+    out["alive"] = alive
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_recurrent_layers_keep_no_full_weight_between_steps(mode):
+    """nn.LSTM, nn.GRU and nn.RNN keep their weights in a list (`_flat_weights`)
+    between calls: kept, that list held every gathered weight past its
+    release (the whole model, counted nowhere, and a warning per weight).
+    Training still equals one process; before and after every step no
+    tensor of a parameter's shape has memory, sharc counts nothing
+    gathered, and nothing warns."""
+    reference = scenario.run_reference(_make_two_layer_recurrent, _wide_batch, 2, 3)
+    results = run_ranks(_rank_recurrent, 2, mode, timeout=300)
+    scenario.assert_matches_reference(results, reference, 2, rtol=1e-4, atol=1e-5)
+    for rank, r in enumerate(results):
+        assert r["left"] == [0, 0, 0], r["left"]
+        assert all(not shapes for shapes in r["alive"]), f"rank {rank}: {r['alive']}"
+        assert r["warnings"] == [], f"rank {rank}: {r['warnings']}"
