@@ -201,8 +201,14 @@ def no_sync(module: torch.nn.Module, enabled: bool = True):
 def memory_stats(group=None) -> dict[str, int]:
     """This rank's exact byte figures for `group` (default: the world):
     shard_bytes, gathered_bytes, peak_gathered_bytes, allgather_bytes,
-    reduce_scatter_bytes (sent since the last reset), collective counts, and
-    unreduced_grad_bytes (full gradients held back by no_sync)."""
+    reduce_scatter_bytes (sent since the last reset), collective counts,
+    unreduced_grad_bytes (full gradients held back by no_sync), and the
+    collective headers by which the ranks agree on every collective:
+    header_bytes (room for them in the gathered buffers, beyond
+    gathered_bytes), header_sent_bytes (since the last reset) and
+    agreement_calls (collectives beyond the schedule's own it took to agree:
+    none once the ranks have run a schedule before, see
+    docs/design/collective-agreement.md)."""
     group = _validate.check_group(group)
     return dict(_runtime(group).stats())
 

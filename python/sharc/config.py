@@ -32,12 +32,14 @@ class ShardConfig:
     docs/design/eager-schedule.md, "Ranks that take different paths"."""
 
     verify_schedule: bool = False
-    """Before each collective the ranks check, with one more small
-    collective, that they are all about to issue the same one; if not, every
-    rank raises naming what each was doing, instead of hanging or gathering
-    another rank's parameter. For debugging ranks that take different paths
-    through forward (costs one small all-gather per collective). Applies to
-    everything sharded on the group."""
+    """Ranks that issue different collectives always raise, at the
+    collective where they part (each collective carries every rank's
+    header: docs/design/collective-agreement.md). With this on, the ranks
+    also compare headers before each collective, with one more small
+    collective, so a divergence is found before the diverging collective
+    and the error names the first parameter where the ranks' lists part.
+    For debugging ranks that take different paths (costs one small
+    all-gather per collective). Applies to everything sharded on the group."""
 
     eager_prefetch: bool = True
     """Outside compiled graphs, from the second step on, gather each

@@ -47,6 +47,10 @@ void MemoryAccounting::on_reduce_wait(int64_t ns) { stats_.reduce_wait_ns += ns;
 
 void MemoryAccounting::on_graph_prefetch() { ++stats_.graph_prefetch_calls; }
 
+void MemoryAccounting::on_header_sent(int64_t bytes) { stats_.header_sent_bytes += bytes; }
+
+void MemoryAccounting::on_agreement_call() { ++stats_.agreement_calls; }
+
 void MemoryAccounting::reset() {
   stats_.gather_wait_ns = 0;
   stats_.reduce_wait_ns = 0;
@@ -55,6 +59,8 @@ void MemoryAccounting::reset() {
   stats_.allgather_calls = 0;
   stats_.reduce_scatter_calls = 0;
   stats_.graph_prefetch_calls = 0;
+  stats_.header_sent_bytes = 0;
+  stats_.agreement_calls = 0;
   stats_.peak_gathered_bytes = stats_.gathered_bytes;
 }
 

@@ -244,6 +244,8 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
   gather->on_cpu = input.is_cpu();
   gather->work = comm_.all_gather(gather->wire, input);
   accounting_.on_allgather_sent((world - 1) * row * static_cast<int64_t>(input.element_size()));
+  accounting_.on_header_sent((world - 1) * gather->header *
+                             static_cast<int64_t>(input.element_size()));
 }
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
@@ -352,6 +354,7 @@ at::Tensor Runtime::read_full(int64_t id) {
   accounting_.on_gathered(padded_bytes);
   comm_.all_gather(wire, input)->wait();
   accounting_.on_allgather_sent((world - 1) * static_cast<int64_t>(p.shard.nbytes()));
+  accounting_.on_header_sent((world - 1) * header * static_cast<int64_t>(p.shard.element_size()));
   accounting_.on_freed(padded_bytes);
   settle_read_locked(issue.seq, wire, id);
   // The true-shape value, owning its storage (headers and padding dropped).
@@ -520,6 +523,8 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     unsettled_reductions_[issue.seq] = token;
     pending.work = comm_.reduce_scatter_sum(pending.wire, pending.input);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
+    accounting_.on_header_sent((world - 1) * CollectiveHeader::kBits *
+                               static_cast<int64_t>(pending.out.element_size()));
   }
   reductions_.emplace(token, std::move(pending));
   return token;
@@ -773,14 +778,19 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("reduce_wait_ns", s.reduce_wait_ns);
   out.insert("graph_prefetch_calls", s.graph_prefetch_calls);
   // What stays gathered between steps by design: persistent parameters.
-  int64_t kept = 0;
+  // And the room for collective headers each gathered buffer has beyond
+  // its padded bytes (claim_buffer_locked), which gathered_bytes leaves out.
+  int64_t kept = 0, headers = 0;
   for (const auto& p : params_) {
-    if (p->state.persistent() && p->state.state() != ParamState::Sharded &&
-        p->state.state() != ParamState::Released) {
-      kept += p->full_bytes();
-    }
+    const ParamState s = p->state.state();
+    if (s == ParamState::Sharded || s == ParamState::Released) continue;
+    if (p->state.persistent()) kept += p->full_bytes();
+    headers += comm_.world_size() * kHeaderBytes;
   }
   out.insert("kept_gathered_bytes", kept);
+  out.insert("header_bytes", headers);
+  out.insert("header_sent_bytes", s.header_sent_bytes);
+  out.insert("agreement_calls", s.agreement_calls);
   return out;
 }
 

@@ -47,6 +47,7 @@ CollectiveAgreement::Issue Runtime::agree_locked(Collective kind, const std::vec
   fingerprint ^= shape.pack() * 0x9e3779b97f4a7c15ULL;  // held gradients change the shape
   auto issue = agreement_.plan(fingerprint, shape, kind, static_cast<int64_t>(ids.size()),
                                ids[0], verify_schedule_);
+  if (issue.plan != CollectiveAgreement::Plan::kDirect) accounting_.on_agreement_call();
   switch (issue.plan) {
     case CollectiveAgreement::Plan::kExchange:
       exchange_headers_locked(issue.header, ids, device);

@@ -346,3 +346,61 @@ def test_a_rank_that_skips_a_layer_raises_instead_of_hanging(mode):
     for rank, (step, message) in enumerate(run_ranks(_skips, 2, mode, timeout=150)):
         assert step == 3, (rank, step, message)
         assert "the ranks diverged" in message, message
+
+
+def _moe_without_unit(rank, world, mode):
+    import sharc
+
+    model = make()
+    sharc.shard(model)  # no gather_units: routing decides which experts each rank gathers
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    try:
+        for it in range(8):
+            step(*batch(it, rank, world)).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_routing_without_a_unit_raises_instead_of_aborting(mode):
+    for message in run_ranks(_moe_without_unit, 2, mode, timeout=150):
+        assert "the ranks diverged" in message and "ShardConfig.gather_units" in message, message
+
+
+def _switch_transformer(rank, world, mode, units):
+    import sharc
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, num_experts=4, expert_capacity=8, encoder_sparse_step=1,
+        decoder_sparse_step=1, router_jitter_noise=0.0, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0)
+    model = SwitchTransformersForConditionalGeneration(config)
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=units))
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    losses = []
+    try:
+        for it in range(3):
+            g = torch.Generator().manual_seed(10 * it + rank)  # each rank its own tokens
+            ids = torch.randint(0, 64, (2, 12), generator=g)
+            loss = step(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(float(loss))
+    except RuntimeError as e:
+        return str(e)
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_switch_transformers_routes_differently_on_each_rank(mode):
+    """An HF mixture-of-experts model with its own routing: without a gather
+    unit the ranks raise (before: a hang); with its sparse MLPs named units
+    they train."""
+    for message in run_ranks(_switch_transformer, 2, mode, (), timeout=240):
+        assert isinstance(message, str) and "the ranks diverged" in message, message
+    if mode == "eager":  # (compiled units: test_moe_with_unused_experts_matches_single_process)
+        for losses in run_ranks(_switch_transformer, 2, mode, ("*.mlp",), timeout=240):
+            assert isinstance(losses, list) and len(losses) == 3, losses

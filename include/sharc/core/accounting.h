@@ -30,6 +30,12 @@ struct MemoryStats {
   /// Gathers started at the end of a compiled graph for the next one
   /// (cross-graph prefetch) since reset.
   int64_t graph_prefetch_calls = 0;
+  /// Collective headers sent since reset (see [Note: collective
+  /// agreement]), beside the data counted above.
+  int64_t header_sent_bytes = 0;
+  /// Collectives issued to agree since reset beyond the schedule's own: header
+  /// exchanges (nothing alike expected yet, or verify_schedule) and decoys.
+  int64_t agreement_calls = 0;
 };
 
 class MemoryAccounting {
@@ -45,6 +51,8 @@ class MemoryAccounting {
   void on_gather_wait(int64_t ns);
   void on_reduce_wait(int64_t ns);
   void on_graph_prefetch();
+  void on_header_sent(int64_t bytes);
+  void on_agreement_call();
   /// Zeroes the communication counters and sets the peak to the current level.
   void reset();
 
