@@ -497,10 +497,10 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
   } else {
     // Then the collective header's bits, summed over the ranks (see
     // [Note: collective agreement]); agreed on before any gradient moves.
-    const int64_t width = columns + 1 + CollectiveHeader::kBits;
-    const WireShape shape{WireShape::kAllToAll, static_cast<int64_t>(bucket_dtype), world * width};
+    const int64_t row = columns + 1 + CollectiveHeader::kBits;
+    const WireShape shape{WireShape::kAllToAll, static_cast<int64_t>(bucket_dtype), world * row};
     const auto issue = agree_locked(kReduceScatter, ids, shape, options.device());
-    at::Tensor input = at::empty({world, width}, options);
+    at::Tensor input = at::empty({world, row}, options);
     write_header_bits(input.narrow(1, columns + 1, CollectiveHeader::kBits), issue.header);
     int64_t column = 0;
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -517,7 +517,7 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
     input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
     pending.input = input.view({-1});
-    pending.wire = at::empty({width}, options);
+    pending.wire = at::empty({row}, options);
     pending.out = pending.wire.narrow(0, 0, columns + 1);
     pending.seq = issue.seq;
     unsettled_reductions_[issue.seq] = token;
