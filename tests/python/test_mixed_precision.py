@@ -6,6 +6,7 @@ naive order: gather fp32, then cast)."""
 from __future__ import annotations
 
 import copy
+import re
 import functools
 
 import pytest
@@ -347,6 +348,43 @@ def test_compiled_fusion_halves_bytes_against_the_naive_order():
     for f, n in zip(fused, naive):
         assert f["allgather_bytes"] * 2 == n["allgather_bytes"]
         assert f["peak_gathered_bytes"] < n["peak_gathered_bytes"]
+
+
+def _peaks_without_keeping(rank, world, dump_dir):
+    """Per policy: each step's peak gathered bytes of the compiled parity
+    GPT, with selective unsharding off (kept parameters aside, what the
+    schedule's buckets and prefetches hold)."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, param in (("fp32", None), ("bf16", BF16)):
+        config = _policy(param) if param else None
+        options = {"disable_passes": ("keep_gathered_params",),
+                   "dump_ir": f"{dump_dir}/{name}"}
+        run = scenario.run_sharded(rank, world, make_parity_model, _batch, "compiled", 3,
+                                   shard_config=config, compile_options=options,
+                                   group=dist.new_group())
+        out[name] = run["peaks"]
+    return out
+
+
+def _budgets(directory) -> list[int]:
+    """The memory budget each dumped graph of rank 0 was scheduled under."""
+    return [int(re.search(r"check_memory_budget\{budget=(\d+)", p.read_text()).group(1))
+            for p in sorted(directory.glob("rank0_*.pipeline"))]
+
+
+def test_compiled_bf16_never_gathers_more_than_fp32(tmp_path):
+    """The default budget is four times the largest parameter in the dtype
+    it is gathered in: counted in fp32 bytes, it gave bf16 graphs twice the
+    room, which bigger buckets and earlier prefetches filled (bf16 peaked at
+    1.04x fp32 here, the fp32 budget)."""
+    runs = run_ranks(_peaks_without_keeping, 2, str(tmp_path))
+    fp32, bf16 = _budgets(tmp_path / "fp32"), _budgets(tmp_path / "bf16")
+    assert [2 * b for b in bf16] == fp32  # per graph, forward and backward
+    for peaks in runs:
+        assert max(peaks["bf16"]) <= max(bf16)  # the bound: the bf16 budget
+        assert max(peaks["bf16"]) <= min(peaks["fp32"]), peaks
 
 
 # ---------------------------------------------- autocast without a policy
