@@ -43,46 +43,106 @@ from sharc._param_ref import ShardedParamRef
 
 
 class _SavedParam:
-    """A saved tensor that is a gathered parameter, a view of it, or a view of
-    a whole-parameter cast or copy of it, kept as a handle: backward gathers
-    again, casts to `dtype` and takes the same view."""
+    """A saved tensor that is a gathered parameter or a view of it, kept as a
+    handle: backward gathers again and takes the same view."""
 
-    __slots__ = ("ref", "dtype", "size", "stride", "offset")
+    __slots__ = ("ref", "size", "stride", "offset")
 
     def __init__(self, ref: ShardedParamRef, t: torch.Tensor):
         self.ref = ref
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+    def rebuild(self, full: torch.Tensor) -> torch.Tensor:
+        return full.as_strided(self.size, self.stride, self.offset)
+
+
+class _SavedCopy:
+    """A saved tensor that is (a view of) a cast or copy of a gathered
+    parameter or of a view of it (what autocast saves for `x @ w.t()`), kept
+    as a handle: backward gathers again, takes the views the copy read
+    (`views`), copies them into a tensor laid out as the copy was, in its
+    dtype, and takes the saved tensor's view of that."""
+
+    __slots__ = ("ref", "views", "copy", "dtype", "size", "stride", "offset")
+
+    def __init__(self, ref: ShardedParamRef, views: tuple, t: torch.Tensor, copy: torch.Tensor):
+        self.ref = ref
+        self.views = views
+        self.copy = (copy.size(), copy.stride())
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
 
     def rebuild(self, full: torch.Tensor) -> torch.Tensor:
-        base = full if full.dtype == self.dtype else full.to(self.dtype)
-        return base.as_strided(self.size, self.stride, self.offset)
+        copy = torch.empty_strided(*self.copy, dtype=self.dtype, device=full.device)
+        copy.copy_(_take_views(full, self.views))
+        return copy.as_strided(self.size, self.stride, self.offset)
 
 
-# Autograd nodes of value-preserving ops a saved tensor may sit behind.
-_VIEW_NODES = frozenset({
-    "AliasBackward0", "AsStridedBackward0", "ExpandBackward0", "PermuteBackward0",
-    "SelectBackward0", "SliceBackward0", "SqueezeBackward0", "SqueezeBackward1",
-    "TBackward0", "TransposeBackward0", "UnsafeViewBackward0", "UnsqueezeBackward0",
-    "ViewBackward0"})
+# Autograd nodes of value-preserving ops a saved tensor may sit behind, each
+# with how to take its view again on a freshly gathered parameter: from what
+# the node saved and the view's shape (the node's input metadata).
+_VIEW_NODES = {
+    "AliasBackward0": lambda n, shape: ("view", shape),
+    "AsStridedBackward0": lambda n, shape: (
+        "as_strided", n._saved_size, n._saved_stride, n._saved_storage_offset),
+    "ExpandBackward0": lambda n, shape: ("expand", shape),
+    "PermuteBackward0": lambda n, shape: ("permute", n._saved_dims),
+    "SelectBackward0": lambda n, shape: ("select", n._saved_dim, n._saved_index),
+    "SliceBackward0": lambda n, shape: (
+        "slice", n._saved_dim, n._saved_start, n._saved_end, n._saved_step),
+    "SqueezeBackward0": lambda n, shape: ("view", shape),
+    "SqueezeBackward1": lambda n, shape: ("view", shape),
+    "TBackward0": lambda n, shape: ("t",),
+    "TransposeBackward0": lambda n, shape: ("transpose", n._saved_dim0, n._saved_dim1),
+    "UnsafeViewBackward0": lambda n, shape: ("view", shape),
+    "UnsqueezeBackward0": lambda n, shape: ("view", shape),
+    "ViewBackward0": lambda n, shape: ("view", shape),
+}
 _COPY_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _GATHER_TAG = "sharc_gathered_param"
 
 
-def _gathered_origin(t: torch.Tensor) -> ShardedParamRef | None:
-    """The parameter `t` was derived from by views of one cast or copy of the
-    whole gathered parameter (what autocast saves for backward); None for
-    anything else. (Views of the parameter itself share its storage and are
-    recognised by that.)"""
+def _take_views(t: torch.Tensor, views: tuple) -> torch.Tensor:
+    for op, *args in views:
+        t = torch.ops.aten.slice.Tensor(t, *args) if op == "slice" else getattr(t, op)(*args)
+    return t
+
+
+def _views_up_to(node) -> tuple[object, tuple]:
+    """The first node from `node` up that is not a view, and the views on
+    the way, in the order forward took them."""
+    views = []
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        views.append(_VIEW_NODES[type(node).__name__](
+            node, list(node._input_metadata[0].shape)))
+        node = node.next_functions[0][0]
+    return node, tuple(reversed(views))
+
+
+def _saved_copy(t: torch.Tensor) -> _SavedCopy | None:
+    """A handle for `t` if it is derived from a gathered parameter by views,
+    one cast or copy and views again (what autocast saves for backward);
+    None for anything else. (Views of the parameter itself share its storage
+    and are recognised by that.)"""
     node = t.grad_fn
     while node is not None and type(node).__name__ in _VIEW_NODES:
         node = node.next_functions[0][0]
     if node is None or type(node).__name__ not in _COPY_NODES:
         return None
-    node = node.next_functions[0][0]  # must be the gather itself: no view before the copy
-    return None if node is None else node.metadata.get(_GATHER_TAG)
+    gather, views = _views_up_to(node.next_functions[0][0])
+    ref = None if gather is None else gather.metadata.get(_GATHER_TAG)
+    copy = t if t._base is None else t._base  # the copy, which t is a view of
+    if ref is None or copy.storage_offset() != 0:
+        return None
+    full = gather._input_metadata[0]  # the gathered parameter: contiguous
+    taken = _take_views(torch.empty(list(full.shape), dtype=full.dtype, device="meta"), views)
+    if list(taken.shape) != list(copy.shape):
+        return None  # t's base is not the copy the chain names: keep t as it is
+    return _SavedCopy(ref, views, t, copy)
 
 
 class GatherUnit:
@@ -315,13 +375,14 @@ class EagerSchedule:
     @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
         ref = self._by_storage.get(t.untyped_storage()._cdata)
-        if ref is None and t.grad_fn is not None:
-            ref = _gathered_origin(t)
-        return t if ref is None else _SavedParam(ref, t)
+        if ref is not None:
+            return _SavedParam(ref, t)
+        handle = _saved_copy(t) if t.grad_fn is not None else None
+        return t if handle is None else handle
 
     @torch.compiler.disable
     def _unpack(self, saved):
-        if not isinstance(saved, _SavedParam):
+        if not isinstance(saved, (_SavedParam, _SavedCopy)):
             return saved
         return saved.rebuild(self._gather_for_backward(saved.ref))
 

@@ -107,7 +107,8 @@ class CompileConfig:
     graph needs at least is an error naming that smallest budget. None: the
     default rule, on a CUDA device an eighth of the device memory free at
     compile time, elsewhere four times the largest parameter the graph
-    reads, never below what the graph needs."""
+    reads (in the dtype it is gathered in), never below what the graph
+    needs."""
 
     profile: bool = True
     """Measure, in the first compile, each compute node's time (on stand-in

@@ -135,11 +135,36 @@ PassManager make_pipeline(const PipelineOptions& options) {
   return build_pipeline(shipping_pipeline(options));
 }
 
-int64_t smallest_feasible_budget(const Graph& graph) {
+namespace {
+
+// `graph` reading its parameters the way the pipeline will gather them:
+// regather_in_backward's direct reads, narrowed by cast_before_gather
+// unless `narrow` is false.
+Graph as_gathered(const Graph& graph, bool narrow) {
   Graph read = graph;
   make_regather_in_backward()->run(read);
-  make_cast_before_gather()->run(read);
-  return plain_schedule_peak(read).bytes;
+  if (narrow) make_cast_before_gather()->run(read);
+  return read;
+}
+
+}  // namespace
+
+int64_t smallest_feasible_budget(const Graph& graph) {
+  return plain_schedule_peak(as_gathered(graph, true)).bytes;
+}
+
+int64_t largest_gathered_param(const Graph& graph, const PipelineSpec& pipeline) {
+  const bool narrow = std::any_of(pipeline.begin(), pipeline.end(), [](const PassSpec& s) {
+    return s.name == "cast_before_gather" && s.enabled;
+  });
+  const Graph read = as_gathered(graph, narrow);
+  int64_t largest = 0;
+  for (const Node& n : read.nodes) {
+    for (const Operand& o : n.operands) {
+      if (o.is_param()) largest = std::max(largest, read.params.at(*o.param).bytes);
+    }
+  }
+  return largest;
 }
 
 std::vector<std::string> pipeline_pass_names() { return make_pipeline({}).pass_names(); }

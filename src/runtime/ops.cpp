@@ -114,10 +114,28 @@ at::Tensor escaping_copy(const at::Tensor& full) {
   return full.clone(at::MemoryFormat::Contiguous);
 }
 
+// The autograd engine casts every gradient reaching the gathered value to
+// its input metadata's grad_dtype (by default the value's own dtype) before
+// summing the value's uses and calling backward(). For a bf16 value that
+// rounds an fp32 gradient (a custom autograd.Function's), although the
+// reduction and the shard's grad_dtype are fp32; plain torch casts to the
+// leaf's grad_dtype instead. So the uses are summed in the wider of the
+// gathered dtype and the reduce dtype, which the reduction casts to anyway.
+void sum_gradients_in_reduce_dtype(const at::Tensor& full, const std::string& group,
+                                   int64_t param) {
+  const auto& node = full.grad_fn();
+  if (!node) return;  // frozen: no gradient
+  const c10::ScalarType reduce = RuntimeTable::instance().get(group)->spec(param).reduce_dtype;
+  node->mutable_input_metadata(full.output_nr())
+      .set_grad_dtype(c10::promoteTypes(full.scalar_type(), reduce));
+}
+
 template <const char* OpName>
 at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
                            const std::string& group, int64_t param) {
-  return GatherFunction<OpName>::apply(shard, shape, group, param);
+  at::Tensor full = GatherFunction<OpName>::apply(shard, shape, group, param);
+  sum_gradients_in_reduce_dtype(full, group, param);
+  return full;
 }
 
 }  // namespace

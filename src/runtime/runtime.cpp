@@ -110,8 +110,12 @@ void ShardedParam::compact_rows(int64_t world, int64_t row, int64_t header) {
 
 void ShardedParam::retype_base(c10::ScalarType dtype) {
   if (base.scalar_type() == dtype) return;
+  // The storage is attached directly, not by set_(): set_ reads the data
+  // pointer, which after a release raises the released-read error above
+  // (a parameter gathered fp32 by one graph and bf16 by the next).
   at::Tensor retyped = at::empty({0}, base.options().dtype(dtype));
-  retyped.set_(base.storage(), 0, {layout.padded_numel()}, {1});
+  retyped.unsafeGetTensorImpl()->set_storage_keep_dtype(base.storage());
+  retyped.unsafeGetTensorImpl()->set_sizes_contiguous({layout.padded_numel()});
   base = retyped;
 }
 

@@ -30,6 +30,9 @@
 //     (a bad text raises, naming what is wrong)
 //   Scheduler.peak_gathered_bytes(ir_text) -> the most parameter bytes the
 //     schedule holds gathered at once (sharc/compiler/memory.h)
+//   Scheduler.largest_gathered_param_bytes(ir_text, pipeline) -> the largest
+//     parameter the graph reads, in the dtype the pipeline gathers it in
+//     (pipeline.h, largest_gathered_param)
 //   Scheduler.predict(ir_text, collective_costs) -> (end_us, exposed_us,
 //     compute_us): the timeline model's run of a schedule
 //     (sharc/compiler/timeline.h)
@@ -190,6 +193,13 @@ std::string normalize_pipeline(std::string text) {
   return ir::print_pipeline(pipeline);
 }
 
+int64_t largest_gathered_param_bytes(std::string ir_text, std::string pipeline_text) {
+  const bool shipping = pipeline_text.find_first_not_of(" \t\n") == std::string::npos;
+  return ir::largest_gathered_param(
+      ir::parse(ir_text),
+      shipping ? ir::shipping_pipeline({}) : ir::parse_pipeline(pipeline_text));
+}
+
 int64_t peak_gathered_bytes(std::string ir_text) {
   return ir::peak_gathered(ir::parse(ir_text)).bytes;
 }
@@ -242,6 +252,10 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_static("peak_gathered_bytes", &sharc::peak_gathered_bytes,
                   "The most parameter bytes an IR schedule holds gathered at once",
                   {torch::arg("ir_text")})
+      .def_static("largest_gathered_param_bytes", &sharc::largest_gathered_param_bytes,
+                  "The largest parameter an IR graph reads, in the dtype the pipeline "
+                  "gathers it in",
+                  {torch::arg("ir_text"), torch::arg("pipeline") = std::string()})
       .def_static("predict", &sharc::predict,
                   "The timeline model's run of a schedule: (end_us, exposed_us, compute_us)",
                   {torch::arg("ir_text"), torch::arg("collective_costs") = c10::List<double>()});

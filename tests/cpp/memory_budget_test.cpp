@@ -87,6 +87,28 @@ TEST(MemoryBudget, BelowTheSmallestFeasibleBudgetNamesIt) {
   expect_nothing_to_do(*make_check_memory_budget(1));
 }
 
+TEST(MemoryBudget, TheLargestParameterIsCountedInTheDtypeItIsGathered) {
+  // a.weight is read only through a bf16 cast: gathered bf16, 500 bytes; the
+  // norm weight, read in fp32, stays; a gradient alone is no read.
+  const Graph g = parse(R"(
+param @0 "a.weight" bytes=1000 dtype=float32
+param @1 "ln.weight" bytes=600 dtype=float32
+param @2 "b.weight" bytes=4000 dtype=float32
+%x = input bytes=40
+%wb = compute "prims.convert_element_type.default" @0 bytes=500 cast=bfloat16
+%h = compute "mm" %x %wb bytes=40
+%n = compute "mul" %h @1 bytes=40
+%g = compute "grad" %n bytes=4000 grad=@2
+output %n
+)");
+  EXPECT_EQ(largest_gathered_param(g, shipping_pipeline({})), 600);
+  PipelineOptions naive;  // cast_before_gather off: gathered in fp32
+  naive.disabled_passes = {"cast_before_gather"};
+  EXPECT_EQ(largest_gathered_param(g, shipping_pipeline(naive)), 1000);
+  EXPECT_EQ(largest_gathered_param(parse("%x = input bytes=4\noutput %x\n"),
+                                   shipping_pipeline({})), 0);
+}
+
 TEST(MemoryBudget, TheShippedPipelineStaysWithinEveryFeasibleBudget) {
   for (int64_t budget : {1000, 1010, 2000, 2030, 5000}) {
     PipelineOptions options;

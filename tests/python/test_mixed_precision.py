@@ -6,6 +6,7 @@ naive order: gather fp32, then cast)."""
 from __future__ import annotations
 
 import copy
+import re
 import functools
 
 import pytest
@@ -66,6 +67,37 @@ def test_cast_then_gather_equals_gather_then_cast_bitwise(world, dtype):
         # read_full sent fp32 shards once, the single gathers the small dtype
         fp32 = sum((world - 1) * -(-torch.Size(s).numel() // world) * 4 for s in SIZES)
         assert sent == fp32 + fp32 // 2
+
+
+def _gathers_in_two_dtypes(rank, world):
+    """One parameter gathered in fp32, released, then gathered in bf16 (and
+    back), plain and persistent: what two compiled graphs that narrow it
+    differently ask of the runtime."""
+    import torch.distributed as dist
+
+    from sharc._library import Runtime
+
+    group = dist.new_group()
+    rt = Runtime.for_group(group.group_name)
+    torch.manual_seed(0)
+    values = {}
+    for persistent in (False, True):
+        pid = rt.register_param(torch.randn(13, 3), f"w{persistent}")
+        rt.set_persistent(pid, persistent)
+        shard = rt.shard(pid)
+        for dtype in (torch.float32, BF16, torch.float32):
+            token = torch.ops.sharc.start_gather([shard], group.group_name, [pid], dtype, 0)
+            full = torch.ops.sharc.wait_gather(token, group.group_name, [pid], dtype)[0]
+            values.setdefault(persistent, []).append((full.clone(), rt.read_full(pid)))
+            torch.ops.sharc.release(full, [], group.group_name, pid)
+    return values
+
+
+def test_a_parameter_gathered_in_another_dtype_than_last_time():
+    for values in run_ranks(_gathers_in_two_dtypes, 2):
+        for gathers in values.values():
+            for (full, master), dtype in zip(gathers, (torch.float32, BF16, torch.float32)):
+                assert full.dtype == dtype and torch.equal(full, master.to(dtype))
 
 
 # ---------------------------------------------- parity with a bf16 reference
@@ -153,6 +185,86 @@ def test_fused_and_naive_order_give_identical_training():
             assert torch.equal(p, naive["params"][name]), name
 
 
+# ---------------------------------------------- a weight copy returned under Inductor
+
+class _ReturnsWeight(nn.Module):
+    """Returns a copy of a gathered weight next to the logits. Under Inductor
+    the copy is the weight's bf16 cast itself (Inductor drops the clone), a
+    graph output, so the forward gathers out.weight in fp32 while the
+    backward, which only reads the cast, gathers it in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inp(x))), self.out.weight.detach().clone()
+
+
+def _weight_batch(step, rank):
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _returns_weight(rank, world, mode, dump_dir):
+    import sharc
+
+    model = _ReturnsWeight()
+    sharc.shard(model, config=_policy())
+    opt = torch.optim.SGD(model.parameters(), lr=scenario.LR)
+    step = model if mode == "eager" else torch.compile(
+        model, backend="sharc", options={"dump_ir": dump_dir})
+    losses, copies = [], []
+    for i in range(3):
+        logits, weight = step(_weight_batch(i, rank))
+        loss = logits.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        copies.append(weight)
+    return losses, copies
+
+
+def _returns_weight_reference(world):
+    """fp32 master weights, each step computed on a bf16 copy of the model."""
+    master = _ReturnsWeight()
+    opt = torch.optim.SGD(master.parameters(), lr=scenario.LR)
+    losses, copies = [], []
+    for i in range(3):
+        low = copy.deepcopy(master).to(BF16)
+        logits, weight = low(torch.cat([_weight_batch(i, r) for r in range(world)]).to(BF16))
+        loss = logits.float().pow(2).mean()
+        loss.backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        copies.append(weight)
+    return losses, copies
+
+
+def test_a_weight_copy_returned_with_inductor_under_bf16(tmp_path):
+    want_losses, want_copies = _returns_weight_reference(2)
+    for mode in ("eager", "compiled"):
+        results = run_ranks(_returns_weight, 2, mode, str(tmp_path))
+        for step, want in enumerate(want_losses):
+            got = sum(losses[step] for losses, _ in results) / 2
+            assert abs(got - want) <= LOSS_RTOL * abs(want), (mode, step, got, want)
+        for _, copies in results:
+            assert all(c.dtype == BF16 for c in copies), mode
+            assert torch.equal(copies[0], want_copies[0]), mode  # before any update
+            for got, want in zip(copies[1:], want_copies[1:]):  # masters differ in rounding
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
+    # What the test is about: the two graphs gather out.weight (id 2) in two dtypes.
+    forward = (tmp_path / "rank0_000_forward.after.ir").read_text()
+    backward = (tmp_path / "rank0_001_backward.after.ir").read_text()
+    assert '/2" bytes=1024 dtype=float32' in forward, forward
+    assert '/2" bytes=512 dtype=bfloat16' in backward, backward
+
+
 # ---------------------------------------------- the saving, from exact counters
 
 class _Mlp(nn.Module):
@@ -236,6 +348,43 @@ def test_compiled_fusion_halves_bytes_against_the_naive_order():
     for f, n in zip(fused, naive):
         assert f["allgather_bytes"] * 2 == n["allgather_bytes"]
         assert f["peak_gathered_bytes"] < n["peak_gathered_bytes"]
+
+
+def _peaks_without_keeping(rank, world, dump_dir):
+    """Per policy: each step's peak gathered bytes of the compiled parity
+    GPT, with selective unsharding off (kept parameters aside, what the
+    schedule's buckets and prefetches hold)."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, param in (("fp32", None), ("bf16", BF16)):
+        config = _policy(param) if param else None
+        options = {"disable_passes": ("keep_gathered_params",),
+                   "dump_ir": f"{dump_dir}/{name}"}
+        run = scenario.run_sharded(rank, world, make_parity_model, _batch, "compiled", 3,
+                                   shard_config=config, compile_options=options,
+                                   group=dist.new_group())
+        out[name] = run["peaks"]
+    return out
+
+
+def _budgets(directory) -> list[int]:
+    """The memory budget each dumped graph of rank 0 was scheduled under."""
+    return [int(re.search(r"check_memory_budget\{budget=(\d+)", p.read_text()).group(1))
+            for p in sorted(directory.glob("rank0_*.pipeline"))]
+
+
+def test_compiled_bf16_never_gathers_more_than_fp32(tmp_path):
+    """The default budget is four times the largest parameter in the dtype
+    it is gathered in: counted in fp32 bytes, it gave bf16 graphs twice the
+    room, which bigger buckets and earlier prefetches filled (bf16 peaked at
+    1.04x fp32 here, the fp32 budget)."""
+    runs = run_ranks(_peaks_without_keeping, 2, str(tmp_path))
+    fp32, bf16 = _budgets(tmp_path / "fp32"), _budgets(tmp_path / "bf16")
+    assert [2 * b for b in bf16] == fp32  # per graph, forward and backward
+    for peaks in runs:
+        assert max(peaks["bf16"]) <= max(bf16)  # the bound: the bf16 budget
+        assert max(peaks["bf16"]) <= min(peaks["fp32"]), peaks
 
 
 # ---------------------------------------------- autocast without a policy

@@ -86,6 +86,14 @@ PassManager make_pipeline(const PipelineOptions& options);
 /// cast_before_gather).
 int64_t smallest_feasible_budget(const Graph& graph);
 
+/// The bytes of the largest parameter `graph` (as the bridge lowers it)
+/// reads, in the dtype `pipeline` gathers it in: after regather_in_backward
+/// and, when the pipeline runs it, cast_before_gather (a weight gathered in
+/// bf16 counts half its fp32 bytes). 0 if it reads none. The unit of the
+/// default memory budget on hosts (sharc/_compile/schedule.py), so that a
+/// graph gathering narrower parameters is held to a budget as much smaller.
+int64_t largest_gathered_param(const Graph& graph, const PipelineSpec& pipeline);
+
 /// The pipeline's pass names, in the order they run.
 std::vector<std::string> pipeline_pass_names();
 

@@ -6,7 +6,7 @@
 //     --all-gather--> padded buffer in gather_dtype, world_size shards long
 //     --view--> full parameter      the true shape forward computes with
 //
-//   full gradient (whatever dtype backward produced)
+//   full gradient (its uses summed in the wider of gather_dtype and reduce_dtype)
 //     --cast--> reduce input        in reduce_dtype
 //     --reduce-scatter--> shard gradient
 //     --cast--> delivered gradient  in grad_dtype (accumulated into shard.grad)

@@ -145,9 +145,8 @@ class _Rebuild:
             self.by_value[name] = shard_grad
             for reduction in slot.reductions:
                 self.env[reduction] = shard_grad
-            for cast in slot.exit_casts:  # back to the dtype AOTAutograd expects
-                self.env[cast] = self._call(cast.target, (shard_grad, *cast.args[1:]),
-                                            cast.meta.get("val"))
+            for cast in slot.exit_casts:  # dropped: see ops.is_exit_cast
+                self.env[cast] = shard_grad
 
 
 def rebuild(original: fx.Graph, lowered: LoweredGraph,

@@ -80,9 +80,12 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
 
 def is_exit_cast(node: fx.Node) -> bool:
     """A dtype cast whose result only leaves the graph: AOTAutograd casts a
-    reduced gradient back to its parameter's dtype this way (it does not
-    model grad_dtype); the bridge re-applies it after the reduction."""
-    return is_call(node, _CAST) and all(u.op == "output" for u in node.users)
+    reduced gradient to its shard's dtype this way, since it does not model
+    grad_dtype. The reduction already delivers the shard's grad_dtype, which
+    the autograd engine takes as the shard's gradient as it is, so the bridge
+    drops the cast: kept, it would round an fp32 gradient of a bf16 shard
+    through bf16."""
+    return cast_dtype(node) is not None and all(u.op == "output" for u in node.users)
 
 
 def is_tensor(node: fx.Node) -> bool:

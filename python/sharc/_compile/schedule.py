@@ -70,7 +70,8 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
     """What the graph is scheduled from, beyond the pipeline's settings."""
     facts = torch.classes.sharc.ScheduleFacts()
     budget = config.memory_budget_bytes
-    facts.memory_budget_bytes = default_budget(lowered, group_name) if budget is None else budget
+    facts.memory_budget_bytes = (default_budget(lowered, group_name, config.pipeline_text())
+                                 if budget is None else budget)
     facts.budget_is_default = budget is None
     facts.collective_costs = collective
     facts.keep_for_backward = kind == "forward"
@@ -79,18 +80,20 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
     return facts
 
 
-def default_budget(lowered, group_name: str) -> int:
+def default_budget(lowered, group_name: str, pipeline: str) -> int:
     """CompileConfig.memory_budget_bytes' default rule: on a CUDA device an
     eighth of the memory free on the emptiest rank at the group's first
-    compile, elsewhere four times the largest parameter the graph reads
-    (the scheduler raises either to what the graph needs at least). Every
-    rank must get the same budget, or they keep different parameters and
-    issue different collectives."""
+    compile, elsewhere four times the largest parameter the graph reads, in
+    the dtype `pipeline` gathers it in (a bf16-gathered fp32 weight counts
+    its bf16 bytes: in fp32 bytes the narrower graph got twice the room and
+    its buckets and prefetches filled it); the scheduler raises either to
+    what the graph needs at least. Every rank must get the same budget, or
+    they keep different parameters and issue different collectives."""
     slot = next(iter(lowered.slots.values()))
     device = slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
     if device.type == "cuda":
         return _agreed_free_bytes(group_name, device) // 8
-    return 4 * max(s.bytes for s in lowered.slots.values())
+    return 4 * torch.classes.sharc.Scheduler.largest_gathered_param_bytes(lowered.text, pipeline)
 
 
 @functools.cache
