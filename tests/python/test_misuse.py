@@ -107,6 +107,9 @@ SHARD_CONFIG_CASES = [
     (dict(mixed_precision="bf16"), TypeError,
      "ShardConfig.mixed_precision must be a sharc.MixedPrecision"),
     (dict(shard_everything=True), TypeError, "unexpected keyword argument 'shard_everything'"),
+    (dict(device=0), TypeError, "ShardConfig.device must be a torch.device, a device string"),
+    (dict(device="gpu"), ValueError, "ShardConfig.device: "),
+    (dict(device="meta"), ValueError, "cannot be 'meta'; leave it None or name a real device"),
 ]
 
 
