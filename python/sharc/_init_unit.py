@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from sharc._host_memory import give_back_freed_memory
 from sharc._module_state import state_of
 
 _SENTINEL_BYTE = 0xFF  # NaN in every floating dtype, -1 in integer ones
@@ -59,6 +60,7 @@ class InitProgress:
         it shares with an earlier module (tied) was still its own: the
         initialiser writes a scratch copy and the values are dropped (the
         random numbers are still drawn, as they were then)."""
+        give_back_freed_memory(self.device)  # what gloo's threads freed since
         unit = _Unit(self, module, as_constructed)
         unit.open()
         try:
@@ -67,6 +69,7 @@ class InitProgress:
             unit.close(write_back=False)
             raise
         unit.close(write_back=True)
+        give_back_freed_memory(self.device)
 
     def full_value(self, pid: int) -> tuple[torch.nn.Parameter, bool]:
         """A full-size tensor for parameter `pid`: its values gathered if it

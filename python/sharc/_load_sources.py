@@ -45,9 +45,25 @@ class DictSource:
     def read(self, key: str) -> torch.Tensor:
         return self._sd[key]
 
+    def done_with(self, nbytes: int) -> None:
+        """The last read (of `nbytes`) has been copied out of."""
+
     def fingerprint(self, keys: list[str]) -> int:
         """What every rank must agree on: the values themselves."""
         return _rank_check.checksum({k: self._sd[k] for k in keys})
+
+
+# [Note: mapped pages] A file read through a memory mapping leaves every page
+# it touched resident in this process (counted in its resident set) until
+# the mapping goes, though the kernel may drop them; and the kernel maps more
+# than was read (its read-around: measured 1.5x for a torch.save file, 2x for
+# safetensors rows). Over a whole load that would be about twice this rank's
+# share of the file on top of its shards, so a file source maps its file
+# afresh after every _REMAP_BYTES read from it (cheap: the header, or the
+# pickled metadata, is read again). Measured (bench/meta_init_memory.py, 4
+# ranks, 50 MB of shards each): a safetensors load peaked 35-52 MB above the
+# shards remapping every 16 MiB, 20-27 MB every 8 MiB.
+_REMAP_BYTES = 8 << 20
 
 
 class TorchFileSource(DictSource):
@@ -55,16 +71,28 @@ class TorchFileSource(DictSource):
     that slice's pages of the file."""
 
     def __init__(self, path: str):
-        try:
-            sd = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001  (any unreadable file: say which)
-            raise ValueError(f"load_full_state_dict: cannot read '{path}' as a torch.save "
-                             f"file ({type(e).__name__}: {e})") from e
-        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-            raise ValueError(f"load_full_state_dict: '{path}' does not hold a flat state dict "
-                             "(names to tensors); save model.state_dict() itself")
-        super().__init__(sd)
+        self._path = path
+        super().__init__(self._map())
         self._size = os.path.getsize(path)
+        self._since_mapped = 0
+
+    def _map(self) -> dict:
+        try:
+            sd = torch.load(self._path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001  (any unreadable file: say which)
+            raise ValueError(f"load_full_state_dict: cannot read '{self._path}' as a "
+                             f"torch.save file ({type(e).__name__}: {e})") from e
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise ValueError(f"load_full_state_dict: '{self._path}' does not hold a flat state "
+                             "dict (names to tensors); save model.state_dict() itself")
+        return sd
+
+    def done_with(self, nbytes: int) -> None:
+        self._since_mapped += nbytes
+        if self._since_mapped >= _REMAP_BYTES:  # see [Note: mapped pages]
+            self._sd = None  # the old mapping goes before the new one comes
+            self._sd = self._map()
+            self._since_mapped = 0
 
     def fingerprint(self, keys: list[str]) -> int:
         return _metadata_fingerprint(self, keys, [self._size])
@@ -85,17 +113,29 @@ class SafetensorsSource:
     tensor at a time."""
 
     def __init__(self, paths: list[str]):
+        self._paths = paths
+        self._sizes = [os.path.getsize(p) for p in paths]
+        self._map()
+        self._since_mapped = 0
+
+    def _map(self) -> None:
         from safetensors import safe_open
 
-        self._files = [safe_open(p, framework="pt", device="cpu") for p in paths]
-        self._sizes = [os.path.getsize(p) for p in paths]
-        self._where: dict[str, object] = {}
-        for path, f in zip(paths, self._files):
+        self._where: dict[str, object] = {}  # key -> its file, opened (mapped)
+        for path in self._paths:
+            f = safe_open(path, framework="pt", device="cpu")
             for key in f.keys():
                 if key in self._where:
                     raise ValueError(f"load_full_state_dict: '{key}' is in more than one of "
-                                     f"the files {paths}")
+                                     f"the files {self._paths}")
                 self._where[key] = f
+
+    def done_with(self, nbytes: int) -> None:
+        self._since_mapped += nbytes
+        if self._since_mapped >= _REMAP_BYTES:  # see [Note: mapped pages]
+            self._where = {}
+            self._map()
+            self._since_mapped = 0
 
     def keys(self) -> list[str]:
         return list(self._where)

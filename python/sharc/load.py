@@ -24,10 +24,14 @@ import torch.distributed as dist
 
 from sharc import _hf_init, _rank_check
 from sharc._flat_chunks import owned_range
+from sharc._host_memory import give_back_freed_memory
 from sharc._load_sources import open_source
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
 from sharc._state_dict_hooks import own_state_dict
 from sharc.api import sharded_root, unwrap_compiled
+
+
+_TRIM_AFTER_BYTES = 1 << 20  # smaller reads come from the heaps' free lists anyway
 
 
 @dataclass(slots=True)
@@ -107,10 +111,15 @@ def _write(targets: list[_Target], source, model, group) -> None:
         for t in targets:
             if t.ref is None:
                 current[t.names[0]].copy_(source.read(t.key))
+                source.done_with(current[t.names[0]].nbytes)
                 continue
             lo, hi = owned_range(math.prod(t.shape), world, rank)
             if hi > lo:
                 t.ref.shard[:hi - lo].copy_(source.read_range(t.key, lo, hi))
+            nbytes = (hi - lo) * t.ref.shard.element_size()
+            source.done_with(nbytes)
+            if nbytes >= _TRIM_AFTER_BYTES:
+                give_back_freed_memory(torch.device("cpu"))  # the slice just read
 
 
 def _recompute_plan(buffers: MetaBuffers, model):
