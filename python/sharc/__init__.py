@@ -7,6 +7,7 @@ from sharc.clip import clip_grad_norm_
 from sharc.checkpoint import get_state_dict, set_state_dict
 from sharc.checkpoint_io import load_checkpoint, save_checkpoint
 from sharc.config import CompileConfig, ShardConfig
+from sharc.materialize import init_weights
 from sharc.mixed_precision import MixedPrecision
 from sharc.state_dict import full_state_dict, load_full_state_dict
 from sharc.unsharded import unsharded
@@ -20,6 +21,7 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "get_state_dict",
+    "init_weights",
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",

@@ -59,9 +59,43 @@ def _backend_devices(group) -> set[str]:
     return devices
 
 
-def check_devices(module: torch.nn.Module, group) -> None:
+def built_on_meta(module: torch.nn.Module) -> bool:
+    """Whether every parameter is on the meta device (a model to initialise
+    into shards, see materialize.py); a model with some parameters on meta
+    and others not is refused."""
+    named = list(module.named_parameters())
+    on_meta = [name for name, p in named if p.is_meta]
+    if on_meta and len(on_meta) < len(named):
+        real = next(name for name, p in named if not p.is_meta)
+        raise RuntimeError(
+            f"parameter '{on_meta[0]}' is on the meta device but '{real}' is not: sharc "
+            "shards a model built wholly on the meta device (`with torch.device('meta'):`, "
+            "then sharc.init_weights or sharc.load_full_state_dict) or wholly on a real one")
+    return bool(on_meta)
+
+
+def shard_device(wanted: torch.device | None, group) -> torch.device:
+    """Where a meta-built model's shards go: `wanted`, else the group's device."""
+    device = wanted if wanted is not None else group_device(group)
+    supported = _backend_devices(group)
+    if device.type not in supported:
+        raise RuntimeError(
+            f"ShardConfig.device is '{device}', but the process group's backend "
+            f"'{dist.get_backend(group)}' communicates only {sorted(supported)} tensors: name "
+            "a matching device or leave it None")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_devices(module: torch.nn.Module, group, wanted: torch.device | None = None) -> None:
     supported = _backend_devices(group)
     for name, p in module.named_parameters():
+        if wanted is not None and p.device != wanted:
+            raise ValueError(
+                f"ShardConfig.device is '{wanted}' but parameter '{name}' is on '{p.device}': "
+                "ShardConfig.device places the shards of a model built on the meta device; "
+                "move a real model with model.to(device) before shard() instead")
         if p.device.type not in supported:
             raise RuntimeError(
                 f"parameter '{name}' is on device '{p.device}', but the process group's "
@@ -81,7 +115,7 @@ def _digest(p: torch.Tensor) -> str:
 def _signature(named_params, checksum: bool) -> list[tuple]:
     sig = []
     for fqn, p in named_params:
-        value = _digest(p) if checksum else ""
+        value = _digest(p) if checksum and not p.is_meta else ""  # meta: no values yet
         sig.append((fqn, tuple(p.shape), str(p.dtype), value))
     return sig
 

@@ -15,6 +15,7 @@ from sharc._rank_check import RankCheck
 from sharc._library import Runtime
 from sharc._module_state import ModuleState, state_of
 from sharc._param_ref import ShardedParamRef
+from sharc._pending_init import AWAITING as AWAITING_INIT, PendingInit, refuse as refuse_unset
 from sharc.config import ShardConfig
 
 
@@ -39,11 +40,21 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     parameter read yielding the gathered full tensor. Tied parameters stay
     tied, frozen parameters are sharded and never reduced, buffers stay
     replicated. Collective: every rank of the group must call it.
+
+    A model built on the meta device (`with torch.device("meta"):`) gets
+    only this rank's shards, allocated on `config.device`; it then awaits
+    its values from sharc.init_weights() or sharc.load_full_state_dict()
+    (docs/design/meta-init.md).
     """
     config = config or ShardConfig()
     group = _validate.check_group(group)
     _validate.check_not_sharded(module)
-    _validate.check_devices(module, group)
+    meta = _validate.built_on_meta(module)
+    if meta:  # only this rank's shards are allocated, there
+        device = _validate.shard_device(config.device, group)
+    else:
+        _validate.check_devices(module, group, config.device)
+        device = None
     named = list(module.named_parameters())  # unique parameters, canonical names
     if dist.get_world_size(group) > 1:
         _validate.check_replicas(named, group, config.verify_replicas)
@@ -54,7 +65,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     runtime = _runtime(group)
     if config.verify_schedule:
         runtime.set_verify_schedule(True)
-    refs_by_param = _register(runtime, group.group_name, named, dtypes)
+    refs_by_param = _register(runtime, group.group_name, named, dtypes, device)
     _install_optimizer_check()
     for fqn, p in named:
         if fqn in config.keep_gathered:
@@ -70,6 +81,9 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         per_module.setdefault(sub, {})[local] = ref
     per_module.setdefault(module, {})  # the root too: it refuses deepcopy and casts
     root = _ShardedRoot(group, runtime, refs_by_param, checks)
+    if meta:
+        root.pending_init = PendingInit(module, device,
+                                        [(r.fqn, r.shard) for r in refs_by_param.values()])
     for sub, refs in per_module.items():
         state = ModuleState(refs, schedule, root if sub is module else None)
         _full_param_access.install(sub, state)
@@ -107,6 +121,16 @@ def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = getattr(p, _REPLACED, None)
+            if name is not None and p.is_meta:
+                raise RuntimeError(
+                    f"sharc: this {type(optimizer).__name__} holds the meta-device parameter "
+                    f"'{name}': it was created from a model built on the meta device, before "
+                    "sharc.shard(). Create the optimizer after shard(), from "
+                    "model.parameters() (the shards)")
+            name = getattr(p, AWAITING_INIT, None)
+            if name is not None:
+                refuse_unset(f"an optimizer step over the shard of '{name}' ran")
+            name = getattr(p, _REPLACED, None)
             if name is not None:
                 raise RuntimeError(
                     f"sharc: this {type(optimizer).__name__} was created before "
@@ -122,11 +146,16 @@ def _install_optimizer_check() -> None:
     register_optimizer_step_pre_hook(_check_optimizer_params)
 
 
-def _register(runtime, group_name: str, named,
-              dtypes) -> dict[torch.nn.Parameter, ShardedParamRef]:
+def _register(runtime, group_name: str, named, dtypes,
+              device: torch.device | None) -> dict[torch.nn.Parameter, ShardedParamRef]:
+    """Registers every parameter: from its value, or, for a model built on the
+    meta device (`device` given), from its shape and dtype only."""
     refs = {}
     for fqn, p in named:
-        pid = runtime.register_param(p.detach(), fqn)
+        if device is None:
+            pid = runtime.register_param(p.detach(), fqn)
+        else:
+            pid = runtime.register_empty(list(p.shape), p.dtype, device, fqn)
         shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
         d = dtypes[p]
         if d.grad != p.dtype:
@@ -149,6 +178,13 @@ class _ShardedRoot:
         self.runtime = runtime
         self.checks = checks  # every rank reached a collective call (_rank_check.py)
         self.refs_by_shard = {id(ref.shard): ref for ref in refs_by_param.values()}
+        # Built on the meta device and awaiting its values (_pending_init.py).
+        self.pending_init: PendingInit | None = None
+
+    def require_values(self, what: str) -> None:
+        """Raises, naming `what` and the fix, while the model awaits its values."""
+        if self.pending_init is not None:
+            refuse_unset(what)
 
     @property
     def group(self) -> dist.ProcessGroup:

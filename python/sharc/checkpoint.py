@@ -74,6 +74,9 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     """
     model = unwrap_compiled(model)
     root = sharded_root(model)
+    # A sharded checkpoint loads into a model that has values (its buffers
+    # and optimizer state exist): give a meta-built one values first.
+    root.require_values("sharc.get_state_dict (a checkpoint save or load) was called")
     export = _Exporter(root.group)
     views: dict[int, object] = {}  # one value per shard, shared by tied names
     model_sd = {}

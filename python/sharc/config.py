@@ -3,6 +3,8 @@
 import os
 from dataclasses import dataclass
 
+import torch
+
 from sharc.mixed_precision import MixedPrecision
 
 
@@ -61,7 +63,25 @@ class ShardConfig:
     while the shards (and the optimizer state) keep the model's dtype; see
     `sharc.MixedPrecision`."""
 
+    device: str | torch.device | None = None
+    """Where the shards of a model built on the meta device are allocated
+    (only this rank's shards; see sharc.init_weights and
+    docs/design/meta-init.md). None: the process group's device, the CPU for
+    gloo, the current CUDA device for nccl. A model built on a real device
+    keeps its parameters' device, and naming another one here is an error."""
+
     def __post_init__(self) -> None:
+        if self.device is not None:
+            if not isinstance(self.device, (str, torch.device)):
+                raise TypeError("ShardConfig.device must be a torch.device, a device string "
+                                f"such as 'cpu' or 'cuda:0', or None, got {self.device!r}")
+            try:
+                self.device = torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(f"ShardConfig.device: {e}") from None
+            if self.device.type == "meta":
+                raise ValueError("ShardConfig.device names where shards are allocated and "
+                                 "cannot be 'meta'; leave it None or name a real device")
         if self.mixed_precision is not None and not isinstance(self.mixed_precision,
                                                                MixedPrecision):
             raise TypeError("ShardConfig.mixed_precision must be a sharc.MixedPrecision or "

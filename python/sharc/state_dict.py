@@ -7,6 +7,7 @@ import torch
 from sharc import _rank_check
 from sharc._state_dict_hooks import own_state_dict
 from sharc.api import sharded_root
+from sharc.load import load
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -15,6 +16,7 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     that calls it alone raises). Tied parameters appear under each of their
     names, as in nn.Module.state_dict()."""
     root = sharded_root(module)
+    root.require_values("sharc.full_state_dict was called")
     root.checks.agree(_rank_check.FULL_STATE_DICT)
     gathered: dict[int, torch.Tensor] = {}
     out = {}
@@ -29,38 +31,19 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_full_state_dict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Loads an unsharded state dict: each rank keeps its slice of every
-    parameter and a copy of every buffer. Raises on missing or unexpected keys
-    and on shape mismatches before changing anything. Collective: every rank
-    must load the same state dict, which is checked (an order-sensitive
-    checksum of every name, shape and byte, exchanged before anything
-    changes): a load on one rank only, or of another checkpoint on one rank,
-    raises instead of leaving a model that is part one, part the other."""
-    root = sharded_root(module)
-    own = own_state_dict(module)
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}")
-    for name, value in own.items():
-        given = state_dict[name]
-        if not isinstance(given, torch.Tensor):
-            raise TypeError(f"load_full_state_dict: '{name}' is a {type(given).__name__}, not a "
-                            "tensor; pass the full tensors (e.g. from sharc.full_state_dict or "
-                            "an unsharded model's state_dict())")
-        ref = root.refs_by_shard.get(id(value))
-        shape = ref.shape if ref is not None else tuple(value.shape)
-        if tuple(state_dict[name].shape) != shape:
-            raise ValueError(f"load_full_state_dict: '{name}' has shape "
-                             f"{tuple(state_dict[name].shape)}, the module expects {shape}")
-    root.checks.agree(_rank_check.LOAD_FULL_STATE_DICT,
-                      value=_rank_check.checksum({k: state_dict[k] for k in own}))
-    with torch.no_grad():
-        for name, value in own.items():
-            ref = root.refs_by_shard.get(id(value))
-            if ref is None:
-                value.copy_(state_dict[name])
-            else:
-                root.runtime.load_full(ref.pid, state_dict[name])
+def load_full_state_dict(module: torch.nn.Module, state_dict) -> None:
+    """Loads unsharded values: each rank keeps its slice of every parameter
+    and a copy of every buffer. `state_dict` is a dict of full tensors, or
+    the path of a `torch.save` file (memory-mapped), a `.safetensors` file
+    or a directory of them (a Hugging Face model's); a file is read one
+    tensor at a time, each rank reading only its slice, so no rank holds the
+    whole state dict. Raises on missing or unexpected keys and on shape or
+    dtype mismatches before changing anything; a tied parameter needs one of
+    its names. Loads into a model sharded from the meta device too, which
+    then has its values (docs/design/meta-init.md). Collective: every rank
+    must load the same values, which is checked before anything changes (a
+    dict: an order-sensitive checksum of every name, shape and byte; a file:
+    of its names, shapes, dtypes and size): a load on one rank only, or of
+    another checkpoint on one rank, raises instead of leaving a model that
+    is part one, part the other."""
+    load(module, state_dict)

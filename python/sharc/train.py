@@ -8,11 +8,14 @@ Every --log-every steps a JSON line (step, loss, tokens/s, per-rank memory)
 goes to RUN_DIR/metrics.jsonl, every --eval-every steps the validation loss
 too; a checkpoint is saved every --checkpoint-every steps and at the end.
 --dtype bf16 / fp16 trains in mixed precision (sharc.MixedPrecision).
+--init meta builds the model on the meta device and initialises it into
+its shards (sharc.init_weights): the path for models bigger than one rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -33,6 +36,10 @@ from sharc.run_dir import RunDir
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """--dtype's choices: the dtype parameters are gathered in and forward and
 backward compute in."""
+
+
+INITS = ("normal", "meta")
+"""--init's choices: how the model gets its initial values."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +72,12 @@ class TrainConfig:
     """Characters of text generated at the end (0: none)."""
     plot: bool = False
     """Draw RUN_DIR/metrics.png at the end (sharc.plot)."""
+    init: str = dataclasses.field(default="normal", metadata={"choices": INITS})
+    """normal: every rank builds the whole model, then shards it. meta: the
+    model is built on the meta device (no memory), sharded (each rank
+    allocates only its shards) and initialised into the shards one module
+    at a time (sharc.init_weights): the same values, and so the same losses,
+    for the same seed; the way to train a model bigger than one rank."""
     dtype: str = dataclasses.field(default="fp32", metadata={"choices": tuple(DTYPES)})
     """fp32, or mixed precision: bf16 / fp16 parameters gathered and computed
     with, gradients reduced in fp32, shards and AdamW state kept in fp32
@@ -79,6 +92,8 @@ class TrainConfig:
             raise ValueError("--warmup-steps and --sample-chars must not be negative")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.init not in INITS:
+            raise ValueError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
 
 
 def _parse(argv=None) -> tuple[TrainConfig, int, str | None]:
@@ -190,13 +205,31 @@ def _dtype_text(cfg: TrainConfig) -> str:
     return f"{cfg.dtype} mixed precision (fp32 shards and optimizer state)"
 
 
-def _build(cfg: TrainConfig, data: CharDataset) -> tuple[_Trainee, int, str]:
+def _init_text(cfg: TrainConfig) -> str:
+    if cfg.init == "meta":
+        return "built on the meta device and initialised into shards; "
+    return ""
+
+
+def _sharded_model(cfg: TrainConfig, data: CharDataset) -> tuple[GPT, int, str]:
+    """The GPT, sharded: built whole on every rank (--init normal), or built
+    on the meta device and initialised into its shards (--init meta), with
+    the same values from the same seed."""
+    gpt_cfg = GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq_len,
+                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq_len,
-                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd))
+    with torch.device("meta") if cfg.init == "meta" else contextlib.nullcontext():
+        model = GPT(gpt_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     savings = report.savings_line(model, dist.get_world_size())
     sharc.shard(model, config=sharc.ShardConfig(mixed_precision=_mixed_precision(cfg)))
+    if cfg.init == "meta":  # GPT.__init__ ends with self.apply(self._init_weights)
+        sharc.init_weights(model, init_fn=model._init_weights)
+    return model, n_params, savings
+
+
+def _build(cfg: TrainConfig, data: CharDataset) -> tuple[_Trainee, int, str]:
+    model, n_params, savings = _sharded_model(cfg, data)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step_fn = torch.compile(model, backend="sharc") if cfg.compile else model
     scaler = None
@@ -241,7 +274,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> None:
     if rank == 0:
         print(f"sharc: {n_params / 1e6:.2f}M parameters, {world} ranks "
               f"({dist.get_backend()}), {cfg.batch_per_rank}x{cfg.seq_len} tokens per rank, "
-              f"{'compiled' if cfg.compile else 'eager'}; {_dtype_text(cfg)}; "
+              f"{'compiled' if cfg.compile else 'eager'}; {_dtype_text(cfg)}; {_init_text(cfg)}"
               f"run directory {run.path}", flush=True)
         print(savings, flush=True)
     last = _loop(cfg, run, data, t, start)

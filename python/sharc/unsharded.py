@@ -32,6 +32,7 @@ def unsharded(module: torch.nn.Module, writeback: bool = False):
     if not isinstance(writeback, bool):
         raise TypeError(f"sharc.unsharded: writeback must be a bool, got {writeback!r}")
     root = sharded_root(module)
+    root.require_values("sharc.unsharded was entered")
     schedule = state_of(unwrap_compiled(module)).schedule
     if schedule.unsharded is not None:
         raise RuntimeError("sharc.unsharded: this model is already inside sharc.unsharded()")

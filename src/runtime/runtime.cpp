@@ -135,12 +135,30 @@ at::Tensor cut_shard(const at::Tensor& full, const ShardLayout& layout) {
 
 int64_t Runtime::register_param(const at::Tensor& full, std::string name) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::vector<int64_t> shape = full.sizes().vec();
   const auto layout =
       ShardLayout::make(full.numel(), comm_.world_size(), comm_.rank());
-  at::Tensor shard = cut_shard(full.detach(), layout);
+  return add_param_locked(std::move(name), full.sizes().vec(), layout,
+                          cut_shard(full.detach(), layout));
+}
+
+int64_t Runtime::register_empty(std::vector<int64_t> shape, c10::ScalarType dtype,
+                                c10::Device device, std::string name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  SHARC_CHECK(device.type() != c10::DeviceType::Meta, "sharc: '", name,
+              "' cannot have its shard on the meta device; name a real device "
+              "(ShardConfig(device=...))");
+  const auto layout = ShardLayout::make(c10::multiply_integers(shape), comm_.world_size(),
+                                        comm_.rank());
+  // Zeros, not empty: the padding must read as zero (the layout's promise,
+  // which checkpoints and gradient norms rely on) before any value arrives.
+  at::Tensor shard = at::zeros({layout.shard_numel()}, at::dtype(dtype).device(device));
+  return add_param_locked(std::move(name), std::move(shape), layout, std::move(shard));
+}
+
+int64_t Runtime::add_param_locked(std::string name, std::vector<int64_t> shape,
+                                  ShardLayout layout, at::Tensor shard) {
   accounting_.add_shard(shard.numel() * static_cast<int64_t>(shard.element_size()));
-  params_.push_back(std::make_unique<ShardedParam>(std::move(name), shape,
+  params_.push_back(std::make_unique<ShardedParam>(std::move(name), std::move(shape),
                                                    layout, std::move(shard)));
   return static_cast<int64_t>(params_.size()) - 1;
 }

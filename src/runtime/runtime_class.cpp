@@ -23,6 +23,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.class_<sharc::Runtime>("Runtime")
       .def_static("for_group", &sharc::for_group)
       .def("register_param", &sharc::Runtime::register_param)
+      .def("register_empty", &sharc::Runtime::register_empty)
       .def("shard", &sharc::Runtime::shard)
       .def("load_full", &sharc::Runtime::load_full)
       .def("gather", &sharc::Runtime::gather)

@@ -29,8 +29,9 @@ def _twice_and_device(rank, world):
         sharc.shard(parent)
     except RuntimeError as e:
         errors["parent_of_sharded"] = str(e)
-    try:
-        sharc.shard(torch.nn.Linear(3, 3, device="meta"))
+    try:  # a meta model's shards on a device gloo cannot communicate
+        sharc.shard(torch.nn.Linear(3, 3, device="meta"),
+                    config=sharc.ShardConfig(device="cuda"))
     except RuntimeError as e:
         errors["device"] = str(e)
     return errors
@@ -40,7 +41,9 @@ def test_shard_twice_and_wrong_device():
     for errors in run_ranks(_twice_and_device, 2):
         assert "already called" in errors["twice"]
         assert "already called" in errors["parent_of_sharded"]
-        assert "meta" in errors["device"] and "gloo" in errors["device"]
+        assert errors["device"] == (
+            "ShardConfig.device is 'cuda', but the process group's backend 'gloo' "
+            "communicates only ['cpu'] tensors: name a matching device or leave it None")
 
 
 def _mismatched(rank, world):

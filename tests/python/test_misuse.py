@@ -107,6 +107,9 @@ SHARD_CONFIG_CASES = [
     (dict(mixed_precision="bf16"), TypeError,
      "ShardConfig.mixed_precision must be a sharc.MixedPrecision"),
     (dict(shard_everything=True), TypeError, "unexpected keyword argument 'shard_everything'"),
+    (dict(device=0), TypeError, "ShardConfig.device must be a torch.device, a device string"),
+    (dict(device="gpu"), ValueError, "ShardConfig.device: "),
+    (dict(device="meta"), ValueError, "cannot be 'meta'; leave it None or name a real device"),
 ]
 
 
@@ -206,7 +209,8 @@ def _shard_misuse(rank, world):
     attempt("twice", lambda: sharc.shard(lin), RuntimeError)
     attempt("nested", lambda: sharc.shard(torch.nn.Sequential(lin, torch.nn.ReLU())),
             RuntimeError)  # FSDP habit: a layer first, then the root
-    attempt("meta", lambda: sharc.shard(torch.nn.Linear(3, 3, device="meta")), RuntimeError)
+    attempt("meta", lambda: sharc.shard(torch.nn.Sequential(
+        torch.nn.Linear(3, 3, device="meta"), torch.nn.Linear(3, 3))), RuntimeError)
     attempt("group", lambda: sharc.shard(torch.nn.Linear(3, 3), group="world"), TypeError)
     attempt("keep", lambda: sharc.shard(
         torch.nn.Linear(3, 3), config=sharc.ShardConfig(keep_gathered=("weights",))),
@@ -235,7 +239,8 @@ def test_shard_misuse():
         assert "its submodule '0' is sharded" in errors["nested"][1]
         assert "call sharc.shard() on the root module only" in errors["nested"][1]
         assert errors["meta"][0] == "RuntimeError"
-        assert "parameter 'weight' is on device 'meta'" in errors["meta"][1]
+        assert ("parameter '0.weight' is on the meta device but '1.weight' is not"
+                in errors["meta"][1])
         assert errors["group"] == (
             "TypeError", "sharc: group must be a torch.distributed.ProcessGroup (or None for "
             "the default group), got str")

@@ -66,6 +66,19 @@ def test_train_starts_local_ranks_and_loss_falls(small_run):
     assert "sharc: sample:" in r.stdout and "totals over 2 ranks" in r.stdout
 
 
+def test_init_meta_trains_with_the_default_runs_losses(small_run, tmp_path):
+    """--init meta: built on the meta device and initialised into the shards,
+    the same initial values as the default build, so the same losses."""
+    _, default_run = small_run
+    r = _train("--init", "meta", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "built on the meta device and initialised into shards" in r.stdout
+    meta, default = _metrics(tmp_path / "run"), _metrics(default_run)
+    assert [m["loss"] for m in meta] == [m["loss"] for m in default]
+    assert [m.get("val_loss") for m in meta] == [m.get("val_loss") for m in default]
+    assert len(meta) == 3
+
+
 def test_default_run_directory_is_under_runs(tmp_path):
     r = _train("--steps", "4", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

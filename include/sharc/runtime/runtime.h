@@ -133,6 +133,13 @@ class Runtime : public torch::CustomClassHolder {
   /// returns its id. Cuts this rank's padded flat shard (see ShardLayout);
   /// `shard(id)` returns it. Does not communicate.
   int64_t register_param(const at::Tensor& full, std::string name);
+  /// Registers a parameter known only by its true shape and dtype (a model
+  /// built on the meta device) and returns its id: allocates this rank's
+  /// padded flat shard on `device`, zero-filled, and nothing full-size;
+  /// its values come later through load_full() or writes to `shard(id)`.
+  /// Does not communicate.
+  int64_t register_empty(std::vector<int64_t> shape, c10::ScalarType dtype,
+                         c10::Device device, std::string name);
   /// This rank's flat shard of a parameter: the tensor that sharc.shard()
   /// wraps as the module's nn.Parameter, so optimizer updates reach gathers.
   at::Tensor shard(int64_t id);
@@ -315,6 +322,9 @@ class Runtime : public torch::CustomClassHolder {
 
  private:
   ShardedParam& param(int64_t id);
+  /// Adds a parameter whose shard is cut or allocated already; returns its id.
+  int64_t add_param_locked(std::string name, std::vector<int64_t> shape, ShardLayout layout,
+                           at::Tensor shard);
   /// The kinds of collective the ranks agree on, by the value in headers.
   enum Collective : int64_t { kAllGather = 0, kReduceScatter = 1, kFullRead = 2 };
   /// Plans the next collective, a `kind` for `ids` of `shape`, with the

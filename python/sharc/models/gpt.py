@@ -38,8 +38,15 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+        mask = torch.empty(cfg.block_size, cfg.block_size, dtype=torch.bool)
         self.register_buffer("causal_mask", mask, persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Computes the causal mask in place: here, and again for a model
+        built on the meta device (sharc.init_weights calls it)."""
+        self.causal_mask.copy_(torch.ones_like(self.causal_mask).tril())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape

@@ -1,0 +1,133 @@
+"""One module's parameters at full size while its initialiser runs: the step
+that sharc.init_weights() repeats module by module (see [Note: init replay]
+in materialize.py).
+
+A unit gives the module a full-size tensor for each of its own parameters,
+both where `module.weight` reads (the sharded property, through the eager
+schedule's `unsharded` table) and in `module._parameters` (for initialisers
+that iterate `self.parameters()`). A parameter that already has values is
+gathered first (an initialiser may read or change only part of it); one
+without values starts as a fresh buffer filled with a sentinel. Parameters
+of other modules the initialiser reaches (a parent initialising a child's
+bias) join the unit on first read. On success each written parameter is
+scattered back: this rank keeps its slice, and the full tensors are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharc._host_memory import give_back_freed_memory
+from sharc._module_state import state_of
+
+_SENTINEL_BYTE = 0xFF  # NaN in every floating dtype, -1 in integer ones
+
+
+def fresh(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer whose bytes say so: an initialiser that never
+    writes it leaves the sentinel, which `untouched` sees."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if dtype == torch.bool:
+        t.fill_(False)  # a bool holding 0xFF is not a valid value
+    elif t.numel():
+        t.reshape(-1).view(torch.uint8).fill_(_SENTINEL_BYTE)
+    return t
+
+
+def untouched(t: torch.Tensor, version: int) -> bool:
+    """Whether a `fresh` buffer was never written. The version counter sees
+    writes through the tensor; the sentinel sees writes through `.data`,
+    which have a counter of their own."""
+    if t.numel() == 0 or t._version != version:
+        return False
+    return t.dtype == torch.bool or bool(t.reshape(-1).view(torch.uint8).eq(_SENTINEL_BYTE).all())
+
+
+class InitProgress:
+    """Which parameters have values so far, over one init_weights() call."""
+
+    def __init__(self, root, schedule, device: torch.device, owners: dict[int, torch.nn.Module]):
+        self.runtime = root.runtime
+        self.refs = {ref.pid: ref for ref in root.refs_by_shard.values()}
+        self.schedule = schedule
+        self.device = device
+        self.owners = owners  # parameter id -> the module that created it
+        self.written: set[int] = set()
+
+    def run(self, module: torch.nn.Module, fn, as_constructed: bool) -> None:
+        """Runs `fn()` (an initialiser of `module`) on a unit of `module`.
+        `as_constructed`: as at the module's construction, when a parameter
+        it shares with an earlier module (tied) was still its own: the
+        initialiser writes a scratch copy and the values are dropped (the
+        random numbers are still drawn, as they were then)."""
+        give_back_freed_memory(self.device)  # what gloo's threads freed since
+        unit = _Unit(self, module, as_constructed)
+        unit.open()
+        try:
+            fn()
+        except BaseException:
+            unit.close(write_back=False)
+            raise
+        unit.close(write_back=True)
+        give_back_freed_memory(self.device)
+
+    def full_value(self, pid: int) -> tuple[torch.nn.Parameter, bool]:
+        """A full-size tensor for parameter `pid`: its values gathered if it
+        has any (collective: every rank initialises the same modules in the
+        same order), else a fresh one. Returns it and whether it is fresh."""
+        ref = self.refs[pid]
+        if pid in self.written:
+            full = self.runtime.read_full(pid)
+        else:
+            full = fresh(ref.shape, ref.shard.dtype, self.device)
+        return torch.nn.Parameter(full, requires_grad=False), pid not in self.written
+
+    def without_values(self) -> list[str]:
+        return [ref.fqn for pid, ref in self.refs.items() if pid not in self.written]
+
+
+class _Unit(dict):
+    """Parameter id -> the full tensor `module.<name>` reads in this unit."""
+
+    def __init__(self, progress: InitProgress, module: torch.nn.Module, as_constructed: bool):
+        super().__init__()
+        self.progress = progress
+        self.module = module
+        self.as_constructed = as_constructed
+        self.targets: dict[int, tuple[torch.nn.Parameter, int, bool]] = {}
+        self.originals: dict[str, torch.nn.Parameter] = {}
+
+    def __missing__(self, pid: int) -> torch.nn.Parameter:
+        return self._target(pid)  # another module's parameter, reached by this one's init
+
+    def _target(self, pid: int) -> torch.nn.Parameter:
+        full, is_fresh = self.progress.full_value(pid)
+        self.targets[pid] = (full, full._version, is_fresh)
+        self[pid] = full
+        return full
+
+    def open(self) -> None:
+        state = state_of(self.module)
+        for local, ref in (state.refs.items() if state is not None else ()):
+            if ref.pid in self:
+                full = self[ref.pid]  # one parameter under two local names
+            elif self.as_constructed and self.progress.owners[ref.pid] is not self.module:
+                full = torch.nn.Parameter(fresh(ref.shape, ref.shard.dtype,
+                                                self.progress.device), requires_grad=False)
+                self[ref.pid] = full  # scratch: the tie replaced it after construction
+            else:
+                full = self._target(ref.pid)
+            self.originals[local] = self.module._parameters[local]
+            self.module._parameters[local] = full
+        self.progress.schedule.unsharded = self
+
+    def close(self, write_back: bool) -> None:
+        self.progress.schedule.unsharded = None
+        self.module._parameters.update(self.originals)
+        if not write_back:
+            return
+        for pid, (full, version, is_fresh) in self.targets.items():
+            if is_fresh and untouched(full, version):
+                continue  # not this initialiser's parameter; it stays without values
+            self.progress.runtime.load_full(pid, full)
+            self.progress.written.add(pid)

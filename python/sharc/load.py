@@ -1,0 +1,162 @@
+"""Full values into shards: what sharc.load_full_state_dict does, from a
+state dict or straight from a file (_load_sources.py), into a model sharded
+from the meta device or from real values.
+
+Every key's name, shape and dtype is checked against the model before
+anything is written (from the file's metadata: identical on every rank, so
+every rank raises alike), and the ranks agree on what they load. Then, one
+tensor at a time, each rank copies its slice of each parameter into its
+shard and each buffer whole. A tied parameter needs one of its names (a
+safetensors file keeps only one). A model built on the meta device gets its
+buffers allocated; non-persistent ones (absent from files) are computed
+again by their module's `reset_buffers()` or, in a Hugging Face model, its
+own initialisation; after that it has its values (see
+docs/design/meta-init.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sharc import _hf_init, _rank_check
+from sharc._flat_chunks import owned_range
+from sharc._host_memory import give_back_freed_memory
+from sharc._load_sources import open_source
+from sharc._meta_buffers import MetaBuffers, has_reset_buffers
+from sharc._state_dict_hooks import own_state_dict
+from sharc.api import sharded_root, unwrap_compiled
+
+
+_TRIM_AFTER_BYTES = 1 << 20  # smaller reads come from the heaps' free lists anyway
+
+
+@dataclass(slots=True)
+class _Target:
+    """One tensor of the model: a sharded parameter or a buffer, under all
+    its names, and the key of the source it loads from."""
+
+    names: list[str]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    ref: object = None  # ShardedParamRef of a parameter; None for a buffer
+    key: str | None = None
+
+
+def load(module: torch.nn.Module, given) -> None:
+    """sharc.load_full_state_dict (see its docstring in state_dict.py)."""
+    root = sharded_root(module)
+    model = unwrap_compiled(module)
+    source = open_source(given)
+    targets = _targets(model, root)
+    _match(targets, source)
+    pending = root.pending_init
+    buffers = MetaBuffers(model) if pending is not None else None
+    if buffers is not None:
+        _check_recomputable(buffers, model)
+    root.checks.agree(_rank_check.LOAD_FULL_STATE_DICT,
+                      value=source.fingerprint([t.key for t in targets]))
+    if buffers is not None:
+        buffers.allocate(pending.device)
+    _write(targets, source, model, root.group)
+    if buffers is not None:
+        _recompute(buffers, model)
+        buffers.raise_without_values("sharc.load_full_state_dict")
+        root.pending_init = None
+        pending.finish()
+
+
+def _targets(model, root) -> list[_Target]:
+    by_tensor: dict[int, _Target] = {}
+    for name, value in own_state_dict(model).items():
+        target = by_tensor.get(id(value))
+        if target is None:
+            ref = root.refs_by_shard.get(id(value))
+            shape = ref.shape if ref is not None else tuple(value.shape)
+            target = by_tensor[id(value)] = _Target([], shape, value.dtype, ref)
+        target.names.append(name)
+    return list(by_tensor.values())
+
+
+def _match(targets: list[_Target], source) -> None:
+    """Picks each target's key; raises before anything is written on a
+    missing, unexpected or mismatched key, naming it."""
+    keys = set(source.keys())
+    known = {name for t in targets for name in t.names}
+    missing = [t.names[0] for t in targets if not keys & set(t.names)]
+    unexpected = sorted(keys - known)
+    if missing or unexpected:
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
+                       f"{unexpected}")
+    for t in targets:
+        t.key = next(n for n in t.names if n in keys)
+        for key in (n for n in t.names if n in keys):
+            source.check_tensor(key)
+            if source.shape(key) != t.shape:
+                raise ValueError(f"load_full_state_dict: '{key}' has shape "
+                                 f"{source.shape(key)}, the module expects {t.shape}")
+            if source.dtype(key) != t.dtype:
+                raise ValueError(f"load_full_state_dict: '{key}' has dtype {source.dtype(key)}, "
+                                 f"the module expects {t.dtype}; convert the values (or build "
+                                 "the model in that dtype) first")
+
+
+def _write(targets: list[_Target], source, model, group) -> None:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    current = own_state_dict(model)  # buffers allocated since _targets()
+    with torch.no_grad():
+        for t in targets:
+            if t.ref is None:
+                current[t.names[0]].copy_(source.read(t.key))
+                source.done_with(current[t.names[0]].nbytes)
+                continue
+            lo, hi = owned_range(math.prod(t.shape), world, rank)
+            if hi > lo:
+                t.ref.shard[:hi - lo].copy_(source.read_range(t.key, lo, hi))
+            nbytes = (hi - lo) * t.ref.shard.element_size()
+            source.done_with(nbytes)
+            if nbytes >= _TRIM_AFTER_BYTES:
+                give_back_freed_memory(torch.device("cpu"))  # the slice just read
+
+
+def _recompute_plan(buffers: MetaBuffers, model):
+    """(module, how) for each module holding a non-persistent meta buffer, a
+    file never has: its reset_buffers(), or its Hugging Face model's
+    initialisation if it has no parameters to disturb; None if neither."""
+    hf_owners = _hf_init.owners(model)
+    plan, seen = [], set()
+    for buf in buffers.buffers:
+        if buf.persistent:
+            continue
+        module = buf.places[0][0]
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if has_reset_buffers(module):
+            plan.append((buf, module, module.reset_buffers))
+        elif id(module) in hf_owners and not any(True for _ in module.parameters()):
+            owner = hf_owners[id(module)]
+            plan.append((buf, module, lambda o=owner, m=module: _hf_init.recompute_buffers(o, m)))
+        else:
+            plan.append((buf, module, None))
+    return plan
+
+
+def _check_recomputable(buffers: MetaBuffers, model) -> None:
+    for buf, module, how in _recompute_plan(buffers, model):
+        if how is None:
+            cls = getattr(module, "_sharc_original_class", type(module)).__name__
+            raise RuntimeError(
+                f"load_full_state_dict: the non-persistent buffer '{buf.fqn}' ({cls}) is in no "
+                "state dict and was computed on the meta device when the model was built; "
+                f"give {cls} a reset_buffers() that fills it in place (and call it from "
+                "__init__), or build the model with that buffer on a real device")
+
+
+def _recompute(buffers: MetaBuffers, model) -> None:
+    with torch.no_grad():
+        for _, _, how in _recompute_plan(buffers, model):
+            how()

@@ -1,0 +1,199 @@
+"""sharc.init_weights(): random initialisation of a model built on the meta
+device, straight into its shards, one module at a time.
+
+[Note: init replay]
+Built normally, a model draws its random values while it is constructed:
+each module's `__init__` finishes by calling its `reset_parameters()`, and
+submodules are built inside their parent's `__init__`, so the draws happen
+children before parents, in the order the submodules were built. Some
+models then run an initialisation of their own over everything at the end
+of the root's `__init__` (`self.apply(self._init_weights)`; a Hugging Face
+model's `post_init()`). Built on the meta device, nothing was drawn.
+init_weights() replays the same draws, in the same order, from the same
+random stream, module by module:
+
+1. every module, children before parents (`named_modules()` registration
+   order, each module once): its `reset_parameters()`, then sharc's
+   `reset_buffers()` hook; a transformers `PreTrainedModel` then replays its
+   `post_init()` (_hf_init.py);
+2. with `init_fn`: `init_fn(module)` for every module in `Module.apply`
+   order, as a root `__init__` ending in `self.apply(init_fn)` does.
+
+Each call runs on a unit (_init_unit.py): that module's parameters at full
+size, gathered or fresh, scattered back into the shards afterwards; so the
+extra memory is one module's parameters. Every rank runs the same calls in
+the same order from the same seed, so every rank draws the same values and
+keeps its own slice of them; the values are bitwise those of the model built
+normally on the same device with the same seed.
+
+Tied parameters. In step 1 the model is taken as it was while being built:
+a tie (`head.weight = emb.weight`) replaced the later module's own weight
+after that module had drawn values for it. So a tied parameter is
+initialised once, by the first module holding it in `named_modules()`
+order, and the later module's `reset_parameters()` draws into a scratch
+copy that is dropped (the draws still advance the stream, as they did).
+`post_init()` also runs before the tie. Step 2 runs on the tied model, as
+`self.apply()` after the tie does: every module's write lands.
+
+Where the replay cannot match (docs/design/meta-init.md says what to do):
+a submodule built in another order than it is registered in, or built and
+then dropped; random values drawn in `__init__` outside `reset_parameters()`
+(`nn.Parameter(torch.randn(...))`: such a module has no initialiser and is
+refused unless `init_fn` covers it); a tie that hands an earlier module a
+later module's parameter; an `init_fn` pass that ran before the tie.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sharc import _hf_init, _rank_check
+from sharc._init_unit import InitProgress
+from sharc._meta_buffers import MetaBuffers, has_reset_buffers
+from sharc._module_state import state_of
+from sharc.api import sharded_root, unwrap_compiled
+
+
+def init_weights(module: torch.nn.Module, init_fn=None) -> None:
+    """Gives a model that sharc.shard() took from the meta device its
+    initial values, as if it had been built normally with the same seed:
+    each module's `reset_parameters()` in construction order, then
+    `init_fn(module)` for every module if given (for a model whose
+    `__init__` ends with `self.apply(init_fn)`). One module's parameters at
+    a time are full-size, each rank keeping its slice. Buffers computed in
+    `__init__` are computed again by the module's `reset_buffers()`. Seed
+    every rank identically before building the model (sharc.shard() draws
+    nothing). Collective: every rank must call it. See [Note: init replay]."""
+    root = sharded_root(module)
+    model = unwrap_compiled(module)
+    pending = root.pending_init
+    if pending is None:
+        raise RuntimeError(
+            "sharc.init_weights: this model already has its values (it was not built on the "
+            "meta device, or was initialised or loaded since); to change values after "
+            "shard(), write them inside `with sharc.unsharded(model, writeback=True):`")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"sharc.init_weights: init_fn must be callable (module -> None) or "
+                        f"None, got {init_fn!r}")
+    owners = _creators(model, root)
+    hf_owners = _hf_init.owners(model)
+    _check_initialisers(model, owners, init_fn, hf_owners)
+    root.checks.agree(_rank_check.INIT_WEIGHTS)
+    buffers = MetaBuffers(model)
+    buffers.allocate(pending.device)
+    progress = InitProgress(root, state_of(model).schedule, pending.device, owners)
+    with torch.no_grad():
+        _replay_construction(model, progress)
+        if init_fn is not None:
+            for sub in _apply_order(model):
+                progress.run(sub, functools.partial(init_fn, sub), as_constructed=False)
+    _raise_without_values(progress.without_values(), model)
+    buffers.raise_without_values("sharc.init_weights")
+    root.pending_init = None
+    pending.finish()
+
+
+def _creators(model: torch.nn.Module, root) -> dict[int, torch.nn.Module]:
+    """Parameter id -> the first module holding it in named_modules() order:
+    the one taken to have created it (see the note on tied parameters)."""
+    owners: dict[int, torch.nn.Module] = {}
+    for _, sub in model.named_modules():
+        for shard in sub._parameters.values():
+            if shard is not None:
+                owners.setdefault(root.refs_by_shard[id(shard)].pid, sub)
+    return owners
+
+
+def _construction_order(model: torch.nn.Module):
+    """Modules in the order their `__init__` returned: children before their
+    parent, siblings in registration order, each module once."""
+    seen: set[int] = set()
+
+    def visit(module):
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen:
+                yield from visit(child)
+        yield module
+
+    return list(visit(model))
+
+
+def _apply_order(module: torch.nn.Module):
+    """The modules `module.apply(fn)` calls fn on, in its order."""
+    for child in module.children():
+        yield from _apply_order(child)
+    yield module
+
+
+def _has_reset_parameters(module: torch.nn.Module) -> bool:
+    return callable(getattr(type(module), "reset_parameters", None))
+
+
+def _replay_construction(model: torch.nn.Module, progress: InitProgress) -> None:
+    def run_as_built(sub, fn):
+        progress.run(sub, fn, as_constructed=True)
+
+    for sub in _construction_order(model):
+        if _has_reset_parameters(sub):
+            run_as_built(sub, sub.reset_parameters)
+        if has_reset_buffers(sub):
+            run_as_built(sub, sub.reset_buffers)
+        if _hf_init.is_pretrained(sub):
+            _hf_init.replay_post_init(sub, run_as_built)
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    return getattr(module, "_sharc_original_class", type(module)).__name__
+
+
+def _check_initialisers(model, owners, init_fn, hf_owners) -> None:
+    """Before anything is written: every parameter's creator, and every
+    module holding a buffer still on the meta device, has something that
+    can initialise it."""
+    if init_fn is not None:
+        return  # it may cover anything; what it leaves is found afterwards
+    for name, sub in model.named_modules():
+        if _has_reset_parameters(sub) or id(sub) in hf_owners:
+            continue
+        created = [local for local, p in sub._parameters.items()
+                   if p is not None and owners.get(_pid(model, p)) is sub]
+        if created:
+            raise RuntimeError(
+                f"sharc.init_weights: module '{name}' ({_class_name(sub)}) creates the "
+                f"parameters {[_join(name, c) for c in created]} but has no "
+                "reset_parameters(), so nothing can initialise them. Give "
+                f"{_class_name(sub)} a reset_parameters() that initialises them in place (and "
+                "call it from __init__, so both ways of building agree), pass "
+                "init_fn=(module -> None) to sharc.init_weights, or load values with "
+                "sharc.load_full_state_dict")
+        meta = [local for local, b in sub._buffers.items() if b is not None and b.is_meta]
+        if meta and not has_reset_buffers(sub):
+            raise RuntimeError(
+                f"sharc.init_weights: the buffer '{_join(name, meta[0])}' "
+                f"({_class_name(sub)}) was computed on the meta device when the model was "
+                f"built, and {_class_name(sub)} has no reset_buffers() or reset_parameters() "
+                "to compute it again. Give it a reset_buffers() that fills its buffers in "
+                "place (and call it from __init__), or pass init_fn")
+
+
+def _pid(model, shard) -> int:
+    return sharded_root(model).refs_by_shard[id(shard)].pid
+
+
+def _join(prefix: str, local: str) -> str:
+    return f"{prefix}.{local}" if prefix else local
+
+
+def _raise_without_values(names: list[str], model) -> None:
+    if not names:
+        return
+    raise RuntimeError(
+        f"sharc.init_weights: no initialiser wrote the parameter '{names[0]}'"
+        + (f" (nor {len(names) - 1} more: {names[1:4]})" if len(names) > 1 else "")
+        + "; the others have their values, the model still awaits these. Its module's "
+        "reset_parameters() or init_fn must initialise it in place, through the module "
+        "attribute (`module.weight`), or load the model's values with "
+        "sharc.load_full_state_dict")

@@ -1,0 +1,232 @@
+"""Models built on the meta device, sharded, then initialised into their
+shards one module at a time (sharc.init_weights): bitwise the values of the
+same model built normally with the same seed, and the same losses."""
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from models import global_batch, rank_slice
+
+
+def gpt_config():
+    from sharc.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24,
+                     head_bias=True)
+
+
+def make_gpt():
+    from sharc.models.gpt import GPT
+
+    return GPT(gpt_config())
+
+
+def make_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=65, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=tied, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt_loss(model, x, y):
+    return model(x, y)
+
+
+def _llama_loss(model, x, y):
+    return model(input_ids=x, labels=y).loss
+
+
+CASES = {  # name -> (build, init_fn for sharc.init_weights, loss)
+    "gpt": (make_gpt, lambda m: m._init_weights, _gpt_loss),
+    "llama": (lambda: make_llama(False), lambda m: None, _llama_loss),
+    "llama_tied": (lambda: make_llama(True), lambda m: None, _llama_loss),
+}
+
+
+def _train(model, loss_fn, rank, world, group, steps=3):
+    import sharc
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, 2 * world)
+        loss = loss_fn(model, rank_slice(x, rank, world), rank_slice(y, rank, world))
+        loss.backward()
+        sharc.clip_grad_norm_(model, 1.0, group=group)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _built_both_ways(rank, world, names):
+    """For each case: the normally built model's state and buffers, the
+    meta-built model's after init_weights, and both models' losses sharded."""
+    import torch.distributed as dist
+    import transformers  # noqa: F401  (so a Llama is recognised)
+
+    import sharc
+
+    out = {}
+    for name in names:
+        build, init_fn, loss_fn = CASES[name]
+        torch.manual_seed(1)
+        normal = build()
+        want = {k: v.clone() for k, v in normal.state_dict().items()}
+        want_buffers = {k: v.clone() for k, v in normal.named_buffers()}
+        torch.manual_seed(1)
+        with torch.device("meta"):
+            meta = build()
+        meta_group, normal_group = dist.new_group(), dist.new_group()
+        sharc.shard(meta, meta_group)
+        sharc.init_weights(meta, init_fn=init_fn(meta))
+        got = sharc.full_state_dict(meta)
+        got_buffers = {k: v.clone() for k, v in meta.named_buffers()}
+        sharc.shard(normal, normal_group)
+        out[name] = dict(want=want, got=got, want_buffers=want_buffers,
+                         got_buffers=got_buffers,
+                         meta_losses=_train(meta, loss_fn, rank, world, meta_group),
+                         normal_losses=_train(normal, loss_fn, rank, world, normal_group))
+    return out
+
+
+def _assert_same(case):
+    assert list(case["got"]) == list(case["want"])
+    for k, v in case["want"].items():
+        assert case["got"][k].dtype == v.dtype, k
+        assert torch.equal(case["got"][k], v), k
+    assert list(case["got_buffers"]) == list(case["want_buffers"])
+    assert case["want_buffers"], "the case must have buffers computed in __init__"
+    for k, v in case["want_buffers"].items():
+        assert torch.equal(case["got_buffers"][k], v), k
+    assert case["meta_losses"] == case["normal_losses"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_meta_built_models_initialise_bitwise_and_train_alike(world):
+    for out in run_ranks(_built_both_ways, world, list(CASES)):
+        for name, case in out.items():
+            try:
+                _assert_same(case)
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from None
+
+
+class _Scaled(torch.nn.Module):
+    """Draws a parameter in __init__ outside any reset_parameters()."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class _Table(torch.nn.Module):
+    """A buffer computed in __init__ that nothing can compute again."""
+
+    def __init__(self, persistent=True):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=persistent)
+
+    def forward(self, x):
+        return self.lin(x) + self.table
+
+
+def _meta_model(build):
+    with torch.device("meta"):
+        return build()
+
+
+def _error(fn):
+    try:
+        fn()
+    except (RuntimeError, TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _misuse(rank, world):
+    import sharc
+
+    e = {}
+    model = _meta_model(make_gpt)
+    early = torch.optim.AdamW(model.parameters())  # holds meta parameters
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # shards: fine once initialised
+    e["step"] = _error(opt.step)
+    x = torch.zeros(1, 4, dtype=torch.long)
+    e["forward"] = _error(lambda: model(x))
+    e["compiled"] = _error(lambda: torch.compile(model, backend="sharc")(x))
+    e["full_state_dict"] = _error(lambda: sharc.full_state_dict(model))
+    e["init_fn_type"] = _error(lambda: sharc.init_weights(model, init_fn=3))
+    sharc.init_weights(model, init_fn=model._init_weights)
+    e["early_step"] = _error(early.step)
+    model(x).sum().backward()
+    opt.step()  # initialised: trains
+    e["again"] = _error(lambda: sharc.init_weights(model))
+
+    scaled = _meta_model(_Scaled)
+    sharc.shard(scaled)
+    e["no_reset"] = _error(lambda: sharc.init_weights(scaled))
+    e["no_reset_untouched"] = all(bool((p == 0).all()) for p in scaled.parameters())
+    e["init_fn_skips"] = _error(lambda: sharc.init_weights(scaled, init_fn=lambda m: None))
+    e["table"] = _error(lambda: sharc.init_weights(sharc.shard(_meta_model(_Table))))
+    e["table_load"] = _error(lambda: sharc.load_full_state_dict(
+        sharc.shard(_meta_model(lambda: _Table(persistent=False))),
+        {"lin.weight": torch.zeros(4, 4), "lin.bias": torch.zeros(4)}))
+    e["device"] = _error(lambda: sharc.shard(
+        torch.nn.Linear(2, 2), config=sharc.ShardConfig(device="cuda")))
+    return e
+
+
+def test_misuse_of_a_meta_built_model_says_what_and_how_to_fix():
+    fix = ("call sharc.init_weights(model) (random initialisation, as if built normally with "
+           "the same seed) or sharc.load_full_state_dict(model, path_or_state_dict) on every "
+           "rank first")
+    for e in run_ranks(_misuse, 2):
+        assert e["step"] == ("RuntimeError", "sharc: an optimizer step over the shard of "
+                             "'wte.weight' ran before the model built on the meta device has "
+                             "its values: its shards are allocated but hold no values yet; "
+                             + fix)
+        assert e["forward"] == ("RuntimeError", "sharc: forward ran before the model built on "
+                                "the meta device has its values: its shards are allocated but "
+                                "hold no values yet; " + fix)
+        assert e["compiled"][0] == "RuntimeError" and fix in e["compiled"][1]
+        assert e["full_state_dict"][1].startswith("sharc: sharc.full_state_dict was called "
+                                                  "before the model built on the meta device")
+        assert e["init_fn_type"] == ("TypeError", "sharc.init_weights: init_fn must be "
+                                     "callable (module -> None) or None, got 3")
+        assert e["early_step"] == (
+            "RuntimeError", "sharc: this AdamW holds the meta-device parameter 'wte.weight': it "
+            "was created from a model built on the meta device, before sharc.shard(). Create "
+            "the optimizer after shard(), from model.parameters() (the shards)")
+        assert e["again"][0] == "RuntimeError"
+        assert "this model already has its values" in e["again"][1]
+        assert e["no_reset"] == (
+            "RuntimeError", "sharc.init_weights: module '' (_Scaled) creates the parameters "
+            "['scale'] but has no reset_parameters(), so nothing can initialise them. Give "
+            "_Scaled a reset_parameters() that initialises them in place (and call it from "
+            "__init__, so both ways of building agree), pass init_fn=(module -> None) to "
+            "sharc.init_weights, or load values with sharc.load_full_state_dict")
+        assert e["no_reset_untouched"]  # refused before anything was written
+        assert e["init_fn_skips"][0] == "RuntimeError"
+        assert e["init_fn_skips"][1].startswith(
+            "sharc.init_weights: no initialiser wrote the parameter 'scale'; the others have "
+            "their values")
+        assert e["table"][0] == "RuntimeError"
+        assert e["table"][1].startswith("sharc.init_weights: the buffer 'table' (_Table) was "
+                                        "computed on the meta device")
+        assert "reset_buffers()" in e["table"][1]
+        assert e["table_load"][0] == "RuntimeError"
+        assert e["table_load"][1].startswith(
+            "load_full_state_dict: the non-persistent buffer 'table' (_Table) is in no state "
+            "dict")
+        assert e["device"][0] == "ValueError"
+        assert "ShardConfig.device is 'cuda' but parameter 'weight' is on 'cpu'" in e["device"][1]
