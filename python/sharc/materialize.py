@@ -79,7 +79,7 @@ def init_weights(module: torch.nn.Module, init_fn=None) -> None:
                         f"None, got {init_fn!r}")
     owners = _creators(model, root)
     hf_owners = _hf_init.owners(model)
-    _check_initialisers(model, owners, init_fn, hf_owners)
+    _check_initialisers(model, root, owners, init_fn, hf_owners)
     root.checks.agree(_rank_check.INIT_WEIGHTS)
     buffers = MetaBuffers(model)
     buffers.allocate(pending.device)
@@ -149,7 +149,7 @@ def _class_name(module: torch.nn.Module) -> str:
     return getattr(module, "_sharc_original_class", type(module)).__name__
 
 
-def _check_initialisers(model, owners, init_fn, hf_owners) -> None:
+def _check_initialisers(model, root, owners, init_fn, hf_owners) -> None:
     """Before anything is written: every parameter's creator, and every
     module holding a buffer still on the meta device, has something that
     can initialise it."""
@@ -159,7 +159,7 @@ def _check_initialisers(model, owners, init_fn, hf_owners) -> None:
         if _has_reset_parameters(sub) or id(sub) in hf_owners:
             continue
         created = [local for local, p in sub._parameters.items()
-                   if p is not None and owners.get(_pid(model, p)) is sub]
+                   if p is not None and owners[root.refs_by_shard[id(p)].pid] is sub]
         if created:
             raise RuntimeError(
                 f"sharc.init_weights: module '{name}' ({_class_name(sub)}) creates the "
@@ -177,10 +177,6 @@ def _check_initialisers(model, owners, init_fn, hf_owners) -> None:
                 f"built, and {_class_name(sub)} has no reset_buffers() or reset_parameters() "
                 "to compute it again. Give it a reset_buffers() that fills its buffers in "
                 "place (and call it from __init__), or pass init_fn")
-
-
-def _pid(model, shard) -> int:
-    return sharded_root(model).refs_by_shard[id(shard)].pid
 
 
 def _join(prefix: str, local: str) -> str:
