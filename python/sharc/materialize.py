@@ -13,7 +13,8 @@ init_weights() replays the same draws, in the same order, from the same
 random stream, module by module:
 
 1. every module, children before parents (`named_modules()` registration
-   order, each module once): its `reset_parameters()`, then sharc's
+   order, each module once): its `reset_parameters()` (torch's
+   MultiheadAttention: `_reset_parameters()`), then sharc's
    `reset_buffers()` hook; a transformers `PreTrainedModel` then replays its
    `post_init()` (_hf_init.py);
 2. with `init_fn`: `init_fn(module)` for every module in `Module.apply`
@@ -79,7 +80,7 @@ def init_weights(module: torch.nn.Module, init_fn=None) -> None:
                         f"None, got {init_fn!r}")
     owners = _creators(model, root)
     hf_owners = _hf_init.owners(model)
-    _check_initialisers(model, owners, init_fn, hf_owners)
+    _check_initialisers(model, root, owners, init_fn, hf_owners)
     root.checks.agree(_rank_check.INIT_WEIGHTS)
     buffers = MetaBuffers(model)
     buffers.allocate(pending.device)
@@ -89,7 +90,7 @@ def init_weights(module: torch.nn.Module, init_fn=None) -> None:
         if init_fn is not None:
             for sub in _apply_order(model):
                 progress.run(sub, functools.partial(init_fn, sub), as_constructed=False)
-    _raise_without_values(progress.without_values(), model)
+    _raise_without_values(progress.without_values())
     buffers.raise_without_values("sharc.init_weights")
     root.pending_init = None
     pending.finish()
@@ -128,8 +129,13 @@ def _apply_order(module: torch.nn.Module):
     yield module
 
 
-def _has_reset_parameters(module: torch.nn.Module) -> bool:
-    return callable(getattr(type(module), "reset_parameters", None))
+def _reset_method(module: torch.nn.Module):
+    """The module's `reset_parameters`, which its `__init__` ends with: the
+    public name, or torch's MultiheadAttention's `_reset_parameters`."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        if callable(getattr(type(module), name, None)):
+            return getattr(module, name)
+    return None
 
 
 def _replay_construction(model: torch.nn.Module, progress: InitProgress) -> None:
@@ -137,8 +143,9 @@ def _replay_construction(model: torch.nn.Module, progress: InitProgress) -> None
         progress.run(sub, fn, as_constructed=True)
 
     for sub in _construction_order(model):
-        if _has_reset_parameters(sub):
-            run_as_built(sub, sub.reset_parameters)
+        reset = _reset_method(sub)
+        if reset is not None:
+            run_as_built(sub, reset)
         if has_reset_buffers(sub):
             run_as_built(sub, sub.reset_buffers)
         if _hf_init.is_pretrained(sub):
@@ -149,17 +156,17 @@ def _class_name(module: torch.nn.Module) -> str:
     return getattr(module, "_sharc_original_class", type(module)).__name__
 
 
-def _check_initialisers(model, owners, init_fn, hf_owners) -> None:
+def _check_initialisers(model, root, owners, init_fn, hf_owners) -> None:
     """Before anything is written: every parameter's creator, and every
     module holding a buffer still on the meta device, has something that
     can initialise it."""
     if init_fn is not None:
         return  # it may cover anything; what it leaves is found afterwards
     for name, sub in model.named_modules():
-        if _has_reset_parameters(sub) or id(sub) in hf_owners:
+        if _reset_method(sub) is not None or id(sub) in hf_owners:
             continue
         created = [local for local, p in sub._parameters.items()
-                   if p is not None and owners.get(_pid(model, p)) is sub]
+                   if p is not None and owners[root.refs_by_shard[id(p)].pid] is sub]
         if created:
             raise RuntimeError(
                 f"sharc.init_weights: module '{name}' ({_class_name(sub)}) creates the "
@@ -179,15 +186,11 @@ def _check_initialisers(model, owners, init_fn, hf_owners) -> None:
                 "place (and call it from __init__), or pass init_fn")
 
 
-def _pid(model, shard) -> int:
-    return sharded_root(model).refs_by_shard[id(shard)].pid
-
-
 def _join(prefix: str, local: str) -> str:
     return f"{prefix}.{local}" if prefix else local
 
 
-def _raise_without_values(names: list[str], model) -> None:
+def _raise_without_values(names: list[str]) -> None:
     if not names:
         return
     raise RuntimeError(

@@ -81,7 +81,7 @@ def _one_loss(model, name):
     return model(input_ids=x, labels=x).loss.item()
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_files_load_into_a_meta_built_model(world, tmp_path):
     for out in run_ranks(_loads, world, str(tmp_path)):
         for name, case in out.items():

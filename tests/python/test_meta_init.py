@@ -31,6 +31,25 @@ def make_llama(tied: bool):
     return LlamaForCausalLM(cfg)
 
 
+class TorchLayers(torch.nn.Module):
+    """Stock layers with their own initialisers: an embedding's padding row,
+    MultiheadAttention's `_reset_parameters` (which also zeroes its child's
+    bias), BatchNorm's running statistics (buffers its reset_parameters
+    resets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(65, 24, padding_idx=0)
+        self.enc = torch.nn.TransformerEncoderLayer(24, 2, 48, dropout=0.0, batch_first=True)
+        self.norm = torch.nn.BatchNorm1d(24)
+        self.head = torch.nn.Linear(24, 65)
+
+    def forward(self, x, y):
+        h = self.enc(self.emb(x))
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, 65), y.reshape(-1))
+
+
 def _gpt_loss(model, x, y):
     return model(x, y)
 
@@ -41,6 +60,7 @@ def _llama_loss(model, x, y):
 
 CASES = {  # name -> (build, init_fn for sharc.init_weights, loss)
     "gpt": (make_gpt, lambda m: m._init_weights, _gpt_loss),
+    "torch_layers": (TorchLayers, lambda m: None, _gpt_loss),
     "llama": (lambda: make_llama(False), lambda m: None, _llama_loss),
     "llama_tied": (lambda: make_llama(True), lambda m: None, _llama_loss),
 }
