@@ -157,6 +157,13 @@ int64_t Runtime::register_empty(std::vector<int64_t> shape, c10::ScalarType dtyp
 
 int64_t Runtime::add_param_locked(std::string name, std::vector<int64_t> shape,
                                   ShardLayout layout, at::Tensor shard) {
+  // The shard lives in a storage with room for a collective header after
+  // it: a gather in the shard's own dtype sends [shard | header] straight
+  // from there, with no copy and nothing allocated (see input_for_gather).
+  const int64_t n = shard.numel();
+  at::Tensor roomy = at::empty({n + header_elements(shard.scalar_type())}, shard.options());
+  roomy.narrow(0, 0, n).copy_(shard);
+  shard = roomy.narrow(0, 0, n);
   accounting_.add_shard(shard.numel() * static_cast<int64_t>(shard.element_size()));
   params_.push_back(std::make_unique<ShardedParam>(std::move(name), std::move(shape),
                                                    layout, std::move(shard)));
@@ -237,11 +244,7 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
   at::Tensor input;
   if (row > 0) {  // else zero-size parameters only: nothing to send
     gather->header = header_elements(dtype);
-    input = at::empty({row + gather->header}, param(ids[0]).shard.options().dtype(dtype));
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const ShardedParam& p = param(ids[i]);
-      input.narrow(0, gather->offsets[i], p.layout.shard_numel()).copy_(p.shard.detach());
-    }
+    input = input_for_gather(*gather, dtype);
     const WireShape shape{WireShape::kAllGather, static_cast<int64_t>(dtype), row + gather->header};
     issue = agree_locked(kAllGather, ids, shape, input.device());
     write_header(input.narrow(0, row, gather->header), issue->header);
@@ -268,6 +271,27 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
   accounting_.on_allgather_sent((world - 1) * row * static_cast<int64_t>(input.element_size()));
   accounting_.on_header_sent((world - 1) * gather->header *
                              static_cast<int64_t>(input.element_size()));
+}
+
+at::Tensor Runtime::input_for_gather(const GatherInFlight& gather, c10::ScalarType dtype) {
+  const at::Tensor& first = param(gather.ids[0]).shard;
+  const int64_t numel = gather.row + gather.header;
+  if (gather.ids.size() == 1 && first.scalar_type() == dtype) {
+    // The room add_param_locked left after the shard, if it is still there.
+    const c10::Storage& storage = first.storage();
+    const int64_t end = (first.storage_offset() + numel) * static_cast<int64_t>(first.element_size());
+    if (first.is_contiguous() && static_cast<int64_t>(storage.nbytes()) >= end) {
+      at::Tensor input = at::empty({0}, first.options());
+      input.set_(storage, first.storage_offset(), {numel}, {1});
+      return input;
+    }
+  }
+  at::Tensor input = at::empty({numel}, first.options().dtype(dtype));
+  for (size_t i = 0; i < gather.ids.size(); ++i) {
+    const ShardedParam& p = param(gather.ids[i]);
+    input.narrow(0, gather.offsets[i], p.layout.shard_numel()).copy_(p.shard.detach());
+  }
+  return input;
 }
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
@@ -800,10 +824,12 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("reduce_wait_ns", s.reduce_wait_ns);
   out.insert("graph_prefetch_calls", s.graph_prefetch_calls);
   // What stays gathered between steps by design: persistent parameters.
-  // And the room for collective headers each gathered buffer has beyond
-  // its padded bytes (claim_buffer_locked), which gathered_bytes leaves out.
+  // And the room for collective headers that shard_bytes and gathered_bytes
+  // leave out: one header after each shard (add_param_locked), one per rank
+  // in each gathered buffer (claim_buffer_locked).
   int64_t kept = 0, headers = 0;
   for (const auto& p : params_) {
+    headers += kHeaderBytes;
     const ParamState s = p->state.state();
     if (s == ParamState::Sharded || s == ParamState::Released) continue;
     if (p->state.persistent()) kept += p->full_bytes();

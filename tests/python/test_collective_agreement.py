@@ -46,15 +46,17 @@ def test_headers_are_counted_apart_from_the_data():
         assert torch.equal(out["a2"], out["a"]) and torch.equal(out["b"], torch.arange(7.0).view(7, 1))
         one, two, reduce = out["one"], out["two"], out["reduce"]
         assert one["gathered_bytes"] == 10 * 4  # the padded bytes, as before
-        assert one["header_bytes"] == world * HEADER  # the room for every rank's header
+        # Room after each of the 2 shards (a gather in the shard's dtype sends
+        # it in place), and for every rank's header in each gathered buffer.
+        assert one["header_bytes"] == 2 * HEADER + world * HEADER
         assert one["allgather_bytes"] == (world - 1) * 5 * 4
         assert one["header_sent_bytes"] == (world - 1) * HEADER
-        assert two["header_bytes"] == 2 * world * HEADER  # two buffers gathered
+        assert two["header_bytes"] == 2 * HEADER + 2 * world * HEADER  # two buffers
         assert two["header_sent_bytes"] == (world - 1) * HEADER  # one collective
         assert two["allgather_bytes"] == (world - 1) * (5 + 4) * 4
         assert reduce["reduce_scatter_bytes"] == (world - 1) * (5 + 1) * 4  # + the non-finite flag
         assert reduce["header_sent_bytes"] == (world - 1) * BITS * 4
-        assert out["after"]["header_bytes"] == 0
+        assert out["after"]["header_bytes"] == 2 * HEADER
 
 
 class _Net(nn.Module):

@@ -378,6 +378,10 @@ class Runtime : public torch::CustomClassHolder {
   std::vector<int64_t> drop_unheld_locked(const std::vector<int64_t>& ids);
   /// One collective for `ids`, all needing a gather, in `dtype`.
   void start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype);
+  /// What `gather` sends: its shards in `dtype`, then room for this rank's
+  /// header. A single shard in its own dtype is sent in place (a view over
+  /// its storage and the room after it); others are copied (and cast).
+  at::Tensor input_for_gather(const GatherInFlight& gather, c10::ScalarType dtype);
   void finish_gather_locked(GatherInFlight& gather);
   /// Writes a full gradient (flat, numel elements) into `rows` (world_size
   /// x shard width, a column block of a reduce-scatter's input) as the
