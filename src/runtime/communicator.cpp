@@ -21,6 +21,11 @@ void release_waited(c10::intrusive_ptr<c10d::Work>& work) {
   work.reset();
 }
 
+void wait_and_release(c10::intrusive_ptr<c10d::Work> work) {
+  work->wait();
+  if (work) release_waited(work);
+}
+
 Communicator::Communicator(const std::string& group_name)
     : group_name_(group_name), group_(c10::intrusive_ptr<c10d::ProcessGroup>()) {
   auto group = c10d::resolve_process_group(group_name);

@@ -398,7 +398,7 @@ at::Tensor Runtime::read_full(int64_t id) {
   at::Tensor wire = at::empty({world * (width + header)}, p.shard.options());
   const int64_t padded_bytes = p.layout.padded_numel() * static_cast<int64_t>(p.shard.element_size());
   accounting_.on_gathered(padded_bytes);
-  comm_.all_gather(wire, input)->wait();
+  wait_and_release(comm_.all_gather(wire, input));
   accounting_.on_allgather_sent((world - 1) * static_cast<int64_t>(p.shard.nbytes()));
   accounting_.on_header_sent((world - 1) * header * static_cast<int64_t>(p.shard.element_size()));
   accounting_.on_freed(padded_bytes);

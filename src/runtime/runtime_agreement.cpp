@@ -132,7 +132,7 @@ Verdict Runtime::send_decoy_locked(const CollectiveAgreement::Issue& issue, c10:
     const int64_t elements = header_elements(dtype);
     write_header(input.narrow(0, numel - elements, elements), header);
     at::Tensor wire = at::empty({world * numel}, options);
-    comm_.all_gather(wire, input)->wait();
+    wait_and_release(comm_.all_gather(wire, input));
     return CollectiveAgreement::judge(read_headers(wire, world), comm_.rank());
   }
   const int64_t width = numel / world, bits = CollectiveHeader::kBits;
@@ -140,7 +140,7 @@ Verdict Runtime::send_decoy_locked(const CollectiveAgreement::Issue& issue, c10:
   write_header_bits(input.narrow(1, width - bits, bits), header);
   at::Tensor flat = input.view({-1});
   at::Tensor wire = at::empty({width}, options);
-  comm_.reduce_scatter_sum(wire, flat)->wait();
+  wait_and_release(comm_.reduce_scatter_sum(wire, flat));
   return CollectiveAgreement::judge_bits(read_header_bits(wire.narrow(0, width - bits, bits)),
                                          world);
 }
@@ -153,7 +153,7 @@ void Runtime::exchange_headers_locked(const CollectiveHeader& mine,
   at::Tensor here = at::tensor(c10::ArrayRef<int64_t>(words.data(), words.size()), at::kLong);
   at::Tensor mine_on_device = here.to(device);
   at::Tensor all = at::empty({world * CollectiveHeader::kWords}, mine_on_device.options());
-  comm_.all_gather(all, mine_on_device)->wait();
+  wait_and_release(comm_.all_gather(all, mine_on_device));
   at::Tensor rows = all.view({world, CollectiveHeader::kWords}).cpu();
   std::vector<CollectiveHeader> headers;
   for (int64_t r = 0; r < world; ++r) {
@@ -184,7 +184,7 @@ std::string Runtime::first_difference_locked(const std::vector<int64_t>& ids, co
   for (size_t i = 0; i < ids.size(); ++i) mine[static_cast<int64_t>(i)] = ids[i];
   mine = mine.to(device);
   at::Tensor all = at::empty({world * longest}, mine.options());
-  comm_.all_gather(all, mine)->wait();
+  wait_and_release(comm_.all_gather(all, mine));
   at::Tensor lists = all.view({world, longest}).cpu();
   const auto* a = lists[comm_.rank()].const_data_ptr<int64_t>();
   const auto* b = lists[other].const_data_ptr<int64_t>();

@@ -24,6 +24,10 @@ namespace sharc {
 /// waited for.
 void release_waited(c10::intrusive_ptr<c10d::Work>& work);
 
+/// Blocks until `work` is done, then drops it as release_waited() does: for
+/// a collective waited where it is issued, whose input is a temporary.
+void wait_and_release(c10::intrusive_ptr<c10d::Work> work);
+
 class Communicator {
  public:
   /// Resolves the group by the name c10d registered it under
