@@ -233,7 +233,17 @@ def _own_namespaces(prefix: str) -> list[str]:
 
 def remove_namespaces(prefix: str) -> None:
     """Kills every process left in the rig's namespaces (started by a rig of
-    this prefix) and deletes them, with their interfaces and the bridge."""
+    this prefix) and deletes them, with their interfaces and the bridge.
+    A second Ctrl-C meanwhile waits until this is done."""
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        _remove(prefix)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _remove(prefix: str) -> None:
     for ns in _own_namespaces(prefix):
         pids = _ip("netns", "pids", ns, check=False).stdout.split()
         for pid in pids:
@@ -357,6 +367,9 @@ def _parse(argv: list[str] | None) -> tuple[RigConfig, JobConfig, list[str], str
     p.add_argument("--prefix", default="sharcmh", help="namespace names' prefix")
     p.add_argument("--port", type=int, default=29400, help="rendezvous port on host 0")
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="after a host's agent fails, seconds the others get to stop on "
+                        "their own before they are stopped (default 10)")
     p.add_argument("--report", default=None,
                    help="write a JSON report (exit status, hosts, bytes over each link)")
     p.add_argument("target", nargs=argparse.REMAINDER, help="what torchrun runs")
@@ -367,8 +380,10 @@ def _parse(argv: list[str] | None) -> tuple[RigConfig, JobConfig, list[str], str
     rig = RigConfig(hosts=a.hosts, rate=a.rate, prefix=a.prefix)
     if a.nproc_per_host < 1:
         p.error("--nproc-per-host must be at least 1")
-    return rig, JobConfig(nproc_per_host=a.nproc_per_host, port=a.port,
-                          timeout_s=a.timeout), target, a.report
+    if a.grace < 0 or (a.timeout is not None and a.timeout <= 0):
+        p.error("--grace must not be negative, --timeout must be positive")
+    return rig, JobConfig(nproc_per_host=a.nproc_per_host, port=a.port, timeout_s=a.timeout,
+                          grace_s=a.grace), target, a.report
 
 
 def _on_signal(signum, _frame):

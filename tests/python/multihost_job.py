@@ -7,12 +7,16 @@ its slice of the global batch, and rank 0 writes to OUT (torch.save): the
 losses (mean over ranks), the final full parameters, and for every rank its
 node rank, local rank and network namespace (/proc/self/ns/net), so a test
 can see where each rank really ran. With --die-rank, that rank kills itself
-with SIGKILL at --die-step (a crash: no exception, no goodbye).
+with SIGKILL at --die-step (a crash: no exception, no goodbye). With
+--stall, every other rank writes OUT.stalled.RANK and sleeps instead of
+training, so no collective tells it that a peer died: only the rig can stop
+it (the dying rank then dies at once).
 """
 
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +37,11 @@ def _where() -> dict:
 def train(a) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    if a.stall:  # shard() is collective: the dying rank dies before it
+        if rank == a.die_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        open(f"{a.out}.stalled.{rank}", "w").close()
+        time.sleep(600)
     model = make_parity_model()
     sharc.shard(model)
     opt = make_optimizer(model.parameters())
@@ -63,6 +72,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--die-rank", type=int, default=-1)
     p.add_argument("--die-step", type=int, default=1)
+    p.add_argument("--stall", action="store_true")
     a = p.parse_args()
     launch(train, 0, "gloo", (a,))  # under torchrun: this process is one rank
 
