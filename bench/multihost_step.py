@@ -66,15 +66,39 @@ def job(out: str, warmup: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def _row(label: str, out: str, links: list | None, total_steps: int) -> str:
+def _run(target: list[str], rate: str | None, two_hosts: bool, out: str) -> dict:
+    """One job; its JSON, with host 0's link bytes over the whole job."""
+    from sharc.multihost import JobConfig, Rig, RigConfig, run_job
+
+    if not two_hosts:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", *target, "--job", out], check=True)
+        links = None
+    else:
+        with Rig(RigConfig(hosts=2, rate=rate, prefix="sharcmhstep")) as rig:
+            if run_job(rig, JobConfig(nproc_per_host=1), [*target, "--job", out]) != 0:
+                raise RuntimeError(f"the job failed with the link at {rate}")
+            links = rig.link_bytes()
     with open(out) as f:
-        r = json.load(f)
-    link = "-"
-    if links:
-        h0 = links[0]
-        link = (f"{h0['tx_bytes'] / total_steps / 1e6:.1f} / "
-                f"{h0['rx_bytes'] / total_steps / 1e6:.1f}")
-    return (f"| {label} | {r['step_s'] * 1e3:.0f} ms | {link} | "
+        result = json.load(f)
+    result["links"] = links
+    return result
+
+
+def _row(label: str, runs: list[dict], total_steps: int, rate: str | None) -> str:
+    steps = ", ".join(f"{r['step_s'] * 1e3:.0f}" for r in runs)
+    median = statistics.median(r["step_s"] for r in runs)
+    link = wire = "-"
+    if runs[0]["links"]:
+        sent = statistics.median(r["links"][0]["tx_bytes"] for r in runs) / total_steps
+        got = statistics.median(r["links"][0]["rx_bytes"] for r in runs) / total_steps
+        link = f"{sent / 1e6:.1f} / {got / 1e6:.1f}"
+        if rate:
+            from sharc.multihost import rate_bits
+
+            wire = f"{max(sent, got) * 8 / rate_bits(rate) * 1e3:.0f} ms"
+    r = runs[0]
+    return (f"| {label} | {median * 1e3:.0f} ms ({steps}) | {link} | {wire} | "
             f"{r['allgather_bytes_per_step'] / 1e6:.1f} / "
             f"{r['reduce_scatter_bytes_per_step'] / 1e6:.1f} |")
 
@@ -85,40 +109,41 @@ def main() -> int:
                    help="link rates of the two-host rows ('none': unlimited)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="each configuration runs once per round, in turn (noise hits all)")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.job is not None:
         job(a.job, a.warmup, a.steps)
         return 0
-    from sharc.multihost import JobConfig, Rig, RigConfig, preflight, run_job
+    from sharc.multihost import preflight
 
     reason = preflight()
     if reason:
         print(f"multihost_step: {reason}", file=sys.stderr)
         return 77
     target = [os.path.abspath(__file__), "--warmup", str(a.warmup), "--steps", str(a.steps)]
-    env_path = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
-    os.environ["PYTHONPATH"] = env_path  # the ranks import _common from bench/
-    total = a.warmup + a.steps
-    rows = ["| ranks | step (median) | host 0's link per step, MB sent / received "
-            "(all steps, set-up included) | sharc all-gather / reduce-scatter MB per step |",
-            "| --- | --- | --- | --- |"]
+    # The ranks import _common from bench/.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
+    configs = [("2 on one host (loopback)", None, False)] + [
+        (f"2 hosts x 1, link {r if r != 'none' else 'unlimited'}", None if r == "none" else r,
+         True) for r in a.rates]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "one.json")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", *target, "--job", out], check=True)
-        rows.append(_row("2 on one host (loopback)", out, None, total))
-        for rate in a.rates:
-            rate = None if rate == "none" else rate
-            out = os.path.join(tmp, f"{rate}.json")
-            with Rig(RigConfig(hosts=2, rate=rate, prefix="sharcmhstep")) as rig:
-                code = run_job(rig, JobConfig(nproc_per_host=1), [*target, "--job", out])
-                if code != 0:
-                    print(f"multihost_step: the job failed at rate {rate}", file=sys.stderr)
-                    return code
-                links = rig.link_bytes()
-            rows.append(_row(f"2 hosts x 1, link {rate or 'unlimited'}", out, links, total))
-    print("\n".join(rows))
+        for k in range(a.rounds):
+            for label, rate, two_hosts in configs:
+                out = os.path.join(tmp, f"{k}-{len(runs[label])}-{rate}-{two_hosts}.json")
+                runs[label].append(_run(target, rate, two_hosts, out))
+    load.append(os.getloadavg()[0])
+    print(f"| ranks | step, median of rounds (each round's median of {a.steps} steps) | host 0's "
+          "link per step, MB sent / received (set-up included) | that at the link rate | "
+          "sharc all-gather / reduce-scatter MB per step |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, rate, _ in configs:
+        print(_row(label, runs[label], a.warmup + a.steps, rate))
+    print(f"load average (1 min) at start / end: {load[0]:.1f} / {load[1]:.1f} "
+          f"on {os.cpu_count()} cores")
     return 0
 
 

@@ -110,13 +110,18 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+def rate_bits(rate: str) -> float:
+    """Bits per second of a --rate such as "200mbit" (tc's units: 10^3)."""
+    value, unit = _RATE.match(rate).groups()
+    return float(value) * _RATE_BITS[unit]
+
+
 def _tbf_args(rate: str) -> list[str]:
     """tbf for `rate`: a burst of 2 ms at that rate (at least a few full
     frames; veth's 64 KiB GSO packets are split by tbf when larger), and a
     queue of 20 ms, so TCP sees drops and backs off instead of queueing for
     seconds."""
-    value, unit = _RATE.match(rate).groups()
-    bytes_per_s = float(value) * _RATE_BITS[unit] / 8
+    bytes_per_s = rate_bits(rate) / 8
     burst = max(int(bytes_per_s * 0.002), 3 * 1514)
     return ["tbf", "rate", rate, "burst", str(burst), "latency", "20ms"]
 
@@ -318,14 +323,12 @@ def _supervise(agents: list[subprocess.Popen], job: JobConfig) -> int:
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, code = failed[0]
-            print(f"multihost: host {i}'s agent exited with status {code}; stopping the "
-                  f"other hosts (they get {job.grace_s:g}s to stop on their own)",
-                  file=sys.stderr, flush=True)
+            _say(f"host {i}'s agent exited with status {code}; stopping the other hosts "
+                 f"(they get {job.grace_s:g}s to stop on their own)")
             _wait_all(agents, time.monotonic() + job.grace_s)
             return code
         if deadline is not None and time.monotonic() > deadline:
-            print(f"multihost: the job ran past --timeout {job.timeout_s:g}s; stopping it",
-                  file=sys.stderr, flush=True)
+            _say(f"the job ran past --timeout {job.timeout_s:g}s; stopping it")
             return EXIT_TIMEOUT
         time.sleep(0.2)
 
@@ -405,28 +408,31 @@ def main(argv: list[str] | None = None) -> int:
     code, links = 1, []
     try:
         with Rig(rig_config) as rig:
-            print(f"multihost: {rig_config.hosts} hosts ({', '.join(map(rig.addr, range(len(rig.hosts))))}"
-                  f"/24), {job.nproc_per_host} ranks each, link "
-                  f"{rig_config.rate or 'unlimited'}", file=sys.stderr, flush=True)
+            _say(f"{len(rig.hosts)} hosts ({', '.join(map(rig.addr, range(len(rig.hosts))))} "
+                 f"on {SUBNET}.0/24), {job.nproc_per_host} rank(s) each, links "
+                 f"{rig_config.rate or 'unlimited'}")
             code = run_job(rig, job, target)
             links = rig.link_bytes()
     except RigError as e:
-        print(f"multihost: cannot build simulated hosts: {e}", file=sys.stderr)
+        _say(f"cannot build simulated hosts: {e}")
         code = EXIT_NO_NAMESPACES
     except KeyboardInterrupt:
         code = 128 + signal.SIGINT
     except _Stop as e:
         code = 128 + e.signum
     for link in links:
-        print(f"multihost: host {link['host']} ({link['addr']}) sent "
-              f"{link['tx_bytes'] / 2**20:.2f} MiB, received {link['rx_bytes'] / 2**20:.2f} MiB "
-              f"over its link", file=sys.stderr)
+        _say(f"host {link['host']} ({link['addr']}) sent {link['tx_bytes'] / 2**20:.2f} MiB, "
+             f"received {link['rx_bytes'] / 2**20:.2f} MiB over its link")
     if report:
         with open(report, "w") as f:
             json.dump({"exit_status": code, "hosts": rig_config.hosts,
                        "nproc_per_host": job.nproc_per_host, "rate": rig_config.rate,
                        "links": links}, f, indent=1)
     return code
+
+
+def _say(text: str) -> None:
+    print(f"multihost: {text}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
