@@ -280,7 +280,7 @@ class JobConfig:
 
 
 class _Stop(Exception):
-    """SIGTERM or SIGHUP arrived: unwind so that cleanup runs."""
+    """SIGINT, SIGTERM or SIGHUP arrived: unwind so that cleanup runs."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -403,8 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"multihost: cannot build simulated hosts: {reason}", file=sys.stderr)
         return EXIT_NO_NAMESPACES
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
+    # SIGINT too: Python leaves it ignored when the rig was started with it
+    # ignored (a background job of a script), and Ctrl-C must still clean up.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
     code, links = 1, []
     try:
         with Rig(rig_config) as rig:
@@ -416,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     except RigError as e:
         _say(f"cannot build simulated hosts: {e}")
         code = EXIT_NO_NAMESPACES
-    except KeyboardInterrupt:
-        code = 128 + signal.SIGINT
     except _Stop as e:
         code = 128 + e.signum
     for link in links:

@@ -61,14 +61,25 @@ def _leftovers() -> list[str]:
 
 
 def test_flat_zero3_across_two_hosts_equals_one_host(tmp_path):
+    _check_two_hosts_equal_one(tmp_path, [])
+
+
+@pytest.mark.skipif(os.environ.get("SHARC_MULTIHOST_COMPILED") != "1",
+                    reason="compiled across hosts takes about 70 s more here (two compiled "
+                           "4-rank jobs); SHARC_MULTIHOST_COMPILED=1 runs it")
+def test_compiled_flat_zero3_across_two_hosts_equals_one_host(tmp_path):
+    _check_two_hosts_equal_one(tmp_path, ["--compile"])
+
+
+def _check_two_hosts_equal_one(tmp_path, job_args: list[str]) -> None:
     rig_out, local_out, report = tmp_path / "rig.pt", tmp_path / "local.pt", tmp_path / "r.json"
     r, _ = _rig(["--hosts", "2", "--nproc-per-host", "2", "--report", str(report),
-                 "--", JOB, str(rig_out), "--steps", str(STEPS)])
+                 "--", JOB, str(rig_out), "--steps", str(STEPS), *job_args], timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     local = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "4", JOB, str(local_out), "--steps", str(STEPS)],
-        capture_output=True, text=True, timeout=120, env=_env())
+         "4", JOB, str(local_out), "--steps", str(STEPS), *job_args],
+        capture_output=True, text=True, timeout=240, env=_env())
     assert local.returncode == 0, local.stderr[-4000:]
     multi, one = torch.load(rig_out), torch.load(local_out)
 
