@@ -94,8 +94,8 @@ class RigConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= MAX_HOSTS:
             raise ValueError(f"--hosts must be between 1 and {MAX_HOSTS}, got {self.hosts}")
-        if self.rate is not None and not _RATE.match(self.rate):
-            raise ValueError(f"--rate must be a number followed by kbit, mbit or gbit "
+        if self.rate is not None and not (_RATE.match(self.rate) and rate_bits(self.rate) > 0):
+            raise ValueError(f"--rate must be a positive number followed by kbit, mbit or gbit "
                              f"(e.g. 200mbit), got {self.rate!r}")
         # Namespace names become file names under /run/netns; keep them plain.
         if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", self.prefix):
