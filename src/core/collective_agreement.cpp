@@ -177,20 +177,18 @@ Verdict CollectiveAgreement::judge_bits(const std::vector<int64_t>& sums, int64_
 
 Verdict CollectiveAgreement::settle(int64_t seq, const std::vector<CollectiveHeader>& rows,
                                     int64_t rank) {
-  if (settled(seq)) return {};
-  Verdict v = judge(rows, rank);
-  settled_[seq] = true;
-  if (v.kind == Verdict::kAgree) expected_[seq + kLag] = v.common.next;
-  return v;
+  return settled(seq) ? Verdict{} : record(seq, judge(rows, rank));
 }
 
 Verdict CollectiveAgreement::settle_bits(int64_t seq, const std::vector<int64_t>& sums,
                                          int64_t world) {
-  if (settled(seq)) return {};
-  Verdict v = judge_bits(sums, world);
+  return settled(seq) ? Verdict{} : record(seq, judge_bits(sums, world));
+}
+
+Verdict CollectiveAgreement::record(int64_t seq, const Verdict& verdict) {
   settled_[seq] = true;
-  if (v.kind == Verdict::kAgree) expected_[seq + kLag] = v.common.next;
-  return v;
+  if (verdict.kind == Verdict::kAgree) expected_[seq + kLag] = verdict.common.next;
+  return verdict;
 }
 
 }  // namespace sharc

@@ -402,7 +402,7 @@ at::Tensor Runtime::read_full(int64_t id) {
   accounting_.on_allgather_sent((world - 1) * static_cast<int64_t>(p.shard.nbytes()));
   accounting_.on_header_sent((world - 1) * header * static_cast<int64_t>(p.shard.element_size()));
   accounting_.on_freed(padded_bytes);
-  settle_read_locked(issue.seq, wire, id);
+  settle_read_locked(issue.seq, wire);
   // The true-shape value, owning its storage (headers and padding dropped).
   return wire.view({world, width + header}).narrow(1, 0, width).reshape({-1})
       .narrow(0, 0, p.layout.numel).clone().view(p.shape);

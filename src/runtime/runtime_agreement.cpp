@@ -91,11 +91,10 @@ void Runtime::settle_reduction_locked(const PendingReduction& pending) {
   if (verdict.kind != Verdict::kAgree) diverged_locked(verdict, {});
 }
 
-void Runtime::settle_read_locked(int64_t seq, const at::Tensor& wire, int64_t id) {
+void Runtime::settle_read_locked(int64_t seq, const at::Tensor& wire) {
   const auto rows = read_headers(wire, comm_.world_size());
   const Verdict verdict = agreement_.settle(seq, rows, comm_.rank());
   if (verdict.kind != Verdict::kAgree) diverged_locked(verdict, rows.at(comm_.rank()));
-  (void)id;
 }
 
 void Runtime::diverged_locked(const Verdict& verdict, const CollectiveHeader& mine) {

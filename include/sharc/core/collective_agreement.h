@@ -152,6 +152,8 @@ class CollectiveAgreement {
   /// parameters re-gathered) predicts each its own follower.
   static constexpr int64_t kContext = 3;
   uint64_t context_of(int64_t seq) const;
+  /// Marks `seq` settled and, where the ranks agreed, what they expect kLag later.
+  Verdict record(int64_t seq, const Verdict& verdict);
 
   int64_t next_seq_ = 0;
   /// The shape every rank announced for a collective (nullopt: not alike),

@@ -342,7 +342,7 @@ class Runtime : public torch::CustomClassHolder {
   /// Settles a reduction from the bit sums in its wire (after its wait).
   void settle_reduction_locked(const PendingReduction& pending);
   /// Settles a full read from the headers in what it gathered.
-  void settle_read_locked(int64_t seq, const at::Tensor& wire, int64_t id);
+  void settle_read_locked(int64_t seq, const at::Tensor& wire);
   /// Raises the verdict's error, naming what this rank and the others
   /// issued, and refuses every later collective of the group.
   [[noreturn]] void diverged_locked(const Verdict& verdict, const CollectiveHeader& mine);
