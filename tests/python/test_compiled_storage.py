@@ -118,8 +118,10 @@ def test_release_frees_storage_at_its_scheduled_point(prefetch):
             assert list(at) == ["after a", "after b, first use", "after c",
                                 "after b, second use"]
             assert at["after b, first use"]["a"][0] == 0  # single use: freed
-            # b is gathered at its use, or prefetched while a's product runs.
-            assert at["after a"]["b"][0] == (16 * 16 * 4 if prefetch else 0)
+            # b is gathered at its use, or prefetched while a's product runs:
+            # in flight, its storage also holds every rank's collective
+            # header (48 B each), dropped when the wait moves its rows.
+            assert at["after a"]["b"][0] == (16 * 16 * 4 + 2 * 48 if prefetch else 0)
             assert at["after c"]["b"][0] == 16 * 16 * 4  # between b's two uses
             assert at["after b, second use"]["b"][0] == 0  # freed at the second
             for label in ("after c", "after b, second use"):
