@@ -77,6 +77,9 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     # A sharded checkpoint loads into a model that has values (its buffers
     # and optimizer state exist): give a meta-built one values first.
     root.require_values("sharc.get_state_dict (a checkpoint save or load) was called")
+    # On a device the last collectives of a step may still be unsettled (their
+    # headers on their way to the host): a divergence raises before a save.
+    root.runtime.settle_all()
     export = _Exporter(root.group)
     views: dict[int, object] = {}  # one value per shard, shared by tied names
     model_sd = {}

@@ -11,21 +11,40 @@ int64_t header_elements(c10::ScalarType dtype) {
   return (kHeaderBytes + size - 1) / size;
 }
 
+namespace {
+
+// A host tensor to copy into `target`'s device: pinned there, so that the
+// copy is queued on the stream instead of making the host wait for it (a
+// copy from pageable memory waits for everything queued before it).
+at::Tensor host_staging(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& target) {
+  return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(!target.is_cpu()));
+}
+
+}  // namespace
+
 void write_header(at::Tensor tail, const CollectiveHeader& header) {
   const auto words = header.words();
-  at::Tensor host = at::empty({CollectiveHeader::kWords}, at::kLong);
+  at::Tensor host = host_staging({CollectiveHeader::kWords}, at::kLong, tail);
   std::copy(words.begin(), words.end(), host.mutable_data_ptr<int64_t>());
   // Bytes, not values: any dtype carries them, and all-gathers move bytes.
   at::Tensor bytes = tail.view(at::kByte).narrow(0, 0, kHeaderBytes);
-  bytes.copy_(host.view(at::kByte));
+  bytes.copy_(host.view(at::kByte), /*non_blocking=*/!tail.is_cpu());
 }
 
-std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t world) {
+at::Tensor header_rows(const at::Tensor& gathered, int64_t world) {
   const int64_t elements = header_elements(gathered.scalar_type());
   at::Tensor tails = gathered.view({world, -1}).narrow(1, gathered.numel() / world - elements,
                                                        elements);
-  at::Tensor host = tails.contiguous().view(at::kByte).view({world, -1})
-                        .narrow(1, 0, kHeaderBytes).to(at::kCPU).contiguous();
+  return tails.contiguous().view(at::kByte).view({world, -1}).narrow(1, 0, kHeaderBytes);
+}
+
+std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t world) {
+  return parse_headers(header_rows(gathered, world).to(at::kCPU));
+}
+
+std::vector<CollectiveHeader> parse_headers(const at::Tensor& rows) {
+  at::Tensor host = rows.contiguous();
+  const int64_t world = host.size(0);
   std::vector<CollectiveHeader> headers;
   for (int64_t r = 0; r < world; ++r) {
     int64_t words[CollectiveHeader::kWords];
@@ -37,14 +56,19 @@ std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t w
 
 void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
   const auto bits = header.bits();
-  at::Tensor host = at::empty({CollectiveHeader::kBits}, at::kFloat);
+  at::Tensor host = host_staging({CollectiveHeader::kBits}, at::kFloat, columns);
   float* out = host.mutable_data_ptr<float>();
   for (int i = 0; i < CollectiveHeader::kBits; ++i) out[i] = bits[i];
-  columns.copy_(host.to(columns.options()).expand_as(columns));
+  at::Tensor on_device = host.to(columns.device(), at::kFloat, /*non_blocking=*/!columns.is_cpu());
+  columns.copy_(on_device.to(columns.scalar_type()).expand_as(columns));
 }
 
 std::vector<int64_t> read_header_bits(const at::Tensor& summed) {
-  at::Tensor host = summed.to(at::kCPU, at::kDouble).contiguous();
+  return parse_header_bits(summed.to(at::kCPU));
+}
+
+std::vector<int64_t> parse_header_bits(const at::Tensor& sums) {
+  at::Tensor host = sums.to(at::kDouble).contiguous();
   const double* in = host.const_data_ptr<double>();
   std::vector<int64_t> counts;
   for (int64_t i = 0; i < host.numel(); ++i) counts.push_back(std::llround(in[i]));

@@ -302,15 +302,20 @@ void Runtime::finish_gather_locked(GatherInFlight& gather) {
   }
   gather.work.reset();
   const bool sent = gather.wire.defined();
+  const int64_t world = comm_.world_size();
   std::optional<Verdict> verdict;
   CollectiveHeader mine;
-  if (sent && !agreement_.settled(gather.seq)) {
-    const auto rows = read_headers(gather.wire, comm_.world_size());
-    mine = rows.at(static_cast<size_t>(comm_.rank()));
-    verdict = agreement_.settle(gather.seq, rows, comm_.rank());
+  if (sent && !settled_or_arriving(gather.seq)) {
     unsettled_gathers_.erase(gather.seq);
+    if (settles_on_arrival(gather.wire)) {  // read before the rows move
+      arriving_.emplace(gather.seq,
+                        ArrivingHeaders{HeaderReadback(header_rows(gather.wire, world)), false});
+    } else {
+      const auto rows = read_headers(gather.wire, world);
+      mine = rows.at(static_cast<size_t>(comm_.rank()));
+      verdict = agreement_.settle(gather.seq, rows, comm_.rank());
+    }
   }
-  const int64_t world = comm_.world_size();
   for (size_t i = 0; i < gather.ids.size(); ++i) {
     ShardedParam& p = param(gather.ids[i]);
     if (gather.staging.defined()) {

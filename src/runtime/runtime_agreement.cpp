@@ -42,7 +42,9 @@ CollectiveAgreement::Issue Runtime::agree_locked(Collective kind, const std::vec
                                                  const WireShape& shape, c10::Device device) {
   SHARC_CHECK(diverged_.empty(), diverged_, " (at an earlier collective: this group's sharded "
               "modules cannot communicate any more)");
+  settle_arrived_locked();
   while (auto seq = agreement_.unsettled_before_next()) settle_locked(*seq);
+  if (kind == kFullRead) settle_all_locked();  // a full read is what a step wrote
   uint64_t fingerprint = CollectiveAgreement::fingerprint(kind, shape.dtype, ids);
   fingerprint ^= shape.pack() * 0x9e3779b97f4a7c15ULL;  // held gradients change the shape
   auto issue = agreement_.plan(fingerprint, shape, kind, static_cast<int64_t>(ids.size()),
@@ -68,27 +70,79 @@ void Runtime::settle_locked(int64_t seq) {
     std::shared_ptr<GatherInFlight> gather = it->second.lock();
     SHARC_CHECK(gather, "sharc: the all-gather numbered ", seq, " in group '",
                 comm_.group_name(), "' was dropped before it completed");
-    finish_gather_locked(*gather);  // settles it
-    return;
+    finish_gather_locked(*gather);  // settles it, or starts reading its headers back
+  } else if (!arriving_.count(seq)) {
+    auto token = unsettled_reductions_.find(seq);
+    SHARC_CHECK(token != unsettled_reductions_.end(), "sharc: no collective numbered ", seq,
+                " is in flight in group '", comm_.group_name(), "'");
+    auto it = reductions_.find(token->second);
+    SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter numbered ", seq,
+                " in group '", comm_.group_name(), "' was dropped before it completed");
+    it->second.work->wait();  // waited again, and summed, by wait_reduce_scatter
+    settle_reduction_locked(it->second);
   }
-  auto token = unsettled_reductions_.find(seq);
-  SHARC_CHECK(token != unsettled_reductions_.end(), "sharc: no collective numbered ", seq,
-              " is in flight in group '", comm_.group_name(), "'");
-  auto it = reductions_.find(token->second);
-  SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter numbered ", seq,
-              " in group '", comm_.group_name(), "' was dropped before it completed");
-  it->second.work->wait();  // waited again, and summed, by wait_reduce_scatter
-  settle_reduction_locked(it->second);
+  settle_arriving_locked(seq);
 }
 
 void Runtime::settle_reduction_locked(const PendingReduction& pending) {
-  if (agreement_.settled(pending.seq)) return;
-  const int64_t bits = CollectiveHeader::kBits;
-  const Verdict verdict = agreement_.settle_bits(
-      pending.seq, read_header_bits(pending.wire.narrow(0, pending.wire.numel() - bits, bits)),
-      comm_.world_size());
+  if (settled_or_arriving(pending.seq)) return;
   unsettled_reductions_.erase(pending.seq);
+  const int64_t bits = CollectiveHeader::kBits;
+  const at::Tensor sums = pending.wire.narrow(0, pending.wire.numel() - bits, bits);
+  if (settles_on_arrival(sums)) {
+    arriving_.emplace(pending.seq, ArrivingHeaders{HeaderReadback(sums), true});
+    return;
+  }
+  const Verdict verdict =
+      agreement_.settle_bits(pending.seq, read_header_bits(sums), comm_.world_size());
   if (verdict.kind != Verdict::kAgree) diverged_locked(verdict, {});
+}
+
+void Runtime::set_settle_on_arrival(bool on_arrival) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_on_arrival_ = on_arrival;
+}
+
+bool Runtime::settles_on_arrival(const at::Tensor& wire) const {
+  return settle_on_arrival_.value_or(!wire.is_cpu());
+}
+
+bool Runtime::settled_or_arriving(int64_t seq) const {
+  return agreement_.settled(seq) || arriving_.count(seq) > 0;
+}
+
+void Runtime::settle_arriving_locked(int64_t seq) {
+  auto it = arriving_.find(seq);
+  if (it == arriving_.end()) return;
+  const at::Tensor host = it->second.headers.host();  // waits if still on its way
+  const bool bit_sums = it->second.bit_sums;
+  arriving_.erase(it);
+  if (bit_sums) {
+    const Verdict verdict = agreement_.settle_bits(seq, parse_header_bits(host),
+                                                   comm_.world_size());
+    if (verdict.kind != Verdict::kAgree) diverged_locked(verdict, {});
+    return;
+  }
+  const auto rows = parse_headers(host);
+  const Verdict verdict = agreement_.settle(seq, rows, comm_.rank());
+  if (verdict.kind != Verdict::kAgree) {
+    diverged_locked(verdict, rows.at(static_cast<size_t>(comm_.rank())));
+  }
+}
+
+void Runtime::settle_arrived_locked() {
+  while (!arriving_.empty() && arriving_.begin()->second.headers.arrived()) {
+    settle_arriving_locked(arriving_.begin()->first);
+  }
+}
+
+void Runtime::settle_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_all_locked();
+}
+
+void Runtime::settle_all_locked() {
+  while (!arriving_.empty()) settle_arriving_locked(arriving_.begin()->first);
 }
 
 void Runtime::settle_read_locked(int64_t seq, const at::Tensor& wire) {

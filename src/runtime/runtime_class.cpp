@@ -41,6 +41,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("set_spec", &sharc::Runtime::set_spec)
       .def("set_gradient_sync", &sharc::Runtime::set_gradient_sync)
       .def("set_verify_schedule", &sharc::Runtime::set_verify_schedule)
+      .def("set_settle_on_arrival", &sharc::Runtime::set_settle_on_arrival)
+      .def("settle_all", &sharc::Runtime::settle_all)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
       .def("flush_unit", &sharc::Runtime::flush_unit)
       .def("start_gather",

@@ -223,6 +223,27 @@ class Scheduler : public torch::CustomClassHolder {};
 }  // namespace
 }  // namespace sharc
 
+// Static methods with named (and defaulted) arguments where torch's
+// custom classes take them (2.13); without the names on older releases
+// (2.11, the GPU machines' torch), where Python then passes every argument
+// by position, as sharc's own callers do.
+template <typename Class, typename Func>
+auto def_static_named(Class& cls, const std::string& name, Func func, const std::string& doc,
+                      std::initializer_list<torch::arg> args, int)
+    -> decltype(cls.def_static(name, func, doc, args), void()) {
+  cls.def_static(name, func, doc, args);
+}
+template <typename Class, typename Func>
+void def_static_named(Class& cls, const std::string& name, Func func, const std::string& doc,
+                      std::initializer_list<torch::arg>, long) {
+  cls.def_static(name, func, doc);
+}
+template <typename Class, typename Func>
+void def_static_named(Class& cls, const std::string& name, Func func, const std::string& doc,
+                      std::initializer_list<torch::arg> args) {
+  def_static_named(cls, name, func, doc, args, 0);
+}
+
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
   using sharc::Schedule;
   using sharc::ScheduleFacts;
@@ -241,22 +262,24 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_readonly("trace", &Schedule::trace)
       .def_readonly("params", &Schedule::params)
       .def_readonly("budget", &Schedule::budget);
-  m.class_<sharc::Scheduler>("Scheduler")
-      .def_static("run", &sharc::run, "Runs a pass pipeline over IR text; returns a Schedule",
-                  {torch::arg("ir_text"), torch::arg("pipeline"), torch::arg("facts"),
-                   torch::arg("trace") = false})
-      .def_static("pass_names", &sharc::ir::pipeline_pass_names)
-      .def_static("normalize_pipeline", &sharc::normalize_pipeline,
-                  "A pipeline's text parsed, checked and printed again",
-                  {torch::arg("text")})
-      .def_static("peak_gathered_bytes", &sharc::peak_gathered_bytes,
-                  "The most parameter bytes an IR schedule holds gathered at once",
-                  {torch::arg("ir_text")})
-      .def_static("largest_gathered_param_bytes", &sharc::largest_gathered_param_bytes,
-                  "The largest parameter an IR graph reads, in the dtype the pipeline "
-                  "gathers it in",
-                  {torch::arg("ir_text"), torch::arg("pipeline") = std::string()})
-      .def_static("predict", &sharc::predict,
-                  "The timeline model's run of a schedule: (end_us, exposed_us, compute_us)",
-                  {torch::arg("ir_text"), torch::arg("collective_costs") = c10::List<double>()});
+  auto scheduler = m.class_<sharc::Scheduler>("Scheduler");
+  def_static_named(scheduler, "run", &sharc::run,
+                   "Runs a pass pipeline over IR text; returns a Schedule",
+                   {torch::arg("ir_text"), torch::arg("pipeline"), torch::arg("facts"),
+                    torch::arg("trace") = false});
+  scheduler.def_static("pass_names", &sharc::ir::pipeline_pass_names);
+  def_static_named(scheduler, "normalize_pipeline", &sharc::normalize_pipeline,
+                   "A pipeline's text parsed, checked and printed again", {torch::arg("text")});
+  def_static_named(scheduler, "peak_gathered_bytes", &sharc::peak_gathered_bytes,
+                   "The most parameter bytes an IR schedule holds gathered at once",
+                   {torch::arg("ir_text")});
+  def_static_named(scheduler, "largest_gathered_param_bytes",
+                   &sharc::largest_gathered_param_bytes,
+                   "The largest parameter an IR graph reads, in the dtype the pipeline "
+                   "gathers it in",
+                   {torch::arg("ir_text"), torch::arg("pipeline") = std::string()});
+  def_static_named(scheduler, "predict", &sharc::predict,
+                   "The timeline model's run of a schedule: (end_us, exposed_us, compute_us)",
+                   {torch::arg("ir_text"),
+                    torch::arg("collective_costs") = c10::List<double>()});
 }

@@ -404,3 +404,68 @@ def test_switch_transformers_routes_differently_on_each_rank(mode):
     if mode == "eager":  # (compiled units: test_moe_with_unused_experts_matches_single_process)
         for losses in run_ranks(_switch_transformer, 2, mode, ("*.mlp",), timeout=240):
             assert isinstance(losses, list) and len(losses) == 3, losses
+
+
+def _settled_on_arrival(rank, world, mode, diverge):
+    """The path a device takes (header_readback.h), forced on the host: each
+    collective's headers are copied at its wait and settled later. Returns
+    the losses of four steps, the error of a step where the ranks route
+    differently (raised at a later collective or by settle_all, which a
+    checkpoint save calls), and whether the group refuses later work."""
+    import sharc
+    from sharc.api import sharded_root
+
+    model = _Experts(same_shape=True)
+    sharc.shard(model)
+    runtime = sharded_root(model).runtime
+    runtime.set_settle_on_arrival(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    losses = []
+    for it in range(4):
+        x = torch.full((2, 6), 0.1 * (it + 1) * (rank + 1))
+        try:
+            loss = step(x, rank if (diverge and it == 3) else 0)
+            loss.backward()
+            runtime.settle_all() if it == 3 else None
+        except RuntimeError as e:
+            try:
+                step(x, 0)
+            except RuntimeError as later:
+                return losses, str(e), str(later)
+            return losses, str(e), "a later collective was issued"
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, None, None
+
+
+def _settled_at_wait(rank, world, mode):
+    import sharc
+
+    model = _Experts(same_shape=True)
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    losses = []
+    for it in range(4):
+        loss = step(torch.full((2, 6), 0.1 * (it + 1) * (rank + 1)), 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_settling_on_arrival_trains_alike_and_still_catches_ranks_that_part(mode):
+    agreed = run_ranks(_settled_on_arrival, 2, mode, False, timeout=150)
+    at_wait = run_ranks(_settled_at_wait, 2, mode, timeout=150)
+    for (losses, error, _), reference in zip(agreed, at_wait):
+        assert error is None, error
+        assert losses == reference  # bitwise: only when the headers are read moves
+    for rank, (losses, error, later) in enumerate(
+            run_ranks(_settled_on_arrival, 2, mode, True, timeout=150)):
+        assert len(losses) == 3, (rank, losses)
+        assert error is not None and "the ranks diverged" in error, (rank, error)
+        assert "cannot communicate any more" in later, (rank, later)

@@ -26,15 +26,25 @@ int64_t header_elements(c10::ScalarType dtype);
 /// Writes `header` into `tail` (header_elements(dtype) elements, contiguous).
 void write_header(at::Tensor tail, const CollectiveHeader& header);
 
-/// The headers in the last header_elements(dtype) of each of `world` rows
-/// of `gathered` (flat, world * row elements). Reads back to the host.
+/// The header bytes (world x kHeaderBytes, on `gathered`'s device) in the
+/// last header_elements(dtype) of each of `world` rows of `gathered` (flat,
+/// world * row elements).
+at::Tensor header_rows(const at::Tensor& gathered, int64_t world);
+
+/// The headers in header_rows() read back to the host (waits for them).
 std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t world);
+
+/// The headers in `rows`, header_rows() on the host.
+std::vector<CollectiveHeader> parse_headers(const at::Tensor& rows);
 
 /// Writes `header`'s bits into `columns` (rows x kBits), every row alike.
 void write_header_bits(at::Tensor columns, const CollectiveHeader& header);
 
 /// Per-bit counts of ranks from `summed` (kBits elements, the sum of every
-/// rank's bits). Reads back to the host.
+/// rank's bits). Reads back to the host (waits for them).
 std::vector<int64_t> read_header_bits(const at::Tensor& summed);
+
+/// As read_header_bits(), from the sums already on the host.
+std::vector<int64_t> parse_header_bits(const at::Tensor& sums);
 
 }  // namespace sharc

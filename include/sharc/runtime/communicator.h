@@ -56,9 +56,13 @@ class Communicator {
   /// SUM, never AVG: some gloo releases silently treat AVG as SUM, so the
   /// caller divides. CPU tensors go through an all-to-all and a sum that
   /// the returned Work's wait() performs on the waiting thread (see [Note:
-  /// reduce-scatter on CPU] in communicator.cpp); device tensors through the
-  /// backend's reduce-scatter.
+  /// reduce-scatter on CPU] in communicator.cpp), as do device tensors on
+  /// gloo; device tensors on another backend (NCCL) through its
+  /// reduce-scatter.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in);
+
+  /// The name of the backend ("gloo", "nccl") that serves `t`'s device.
+  std::string backend_name(const at::Tensor& t) const;
 
   /// Non-blocking. Element-wise maximum of `t` over the group, in place.
   c10::intrusive_ptr<c10d::Work> all_reduce_max(at::Tensor& t);

@@ -26,6 +26,7 @@
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
 #include "sharc/runtime/gather_spec.h"
+#include "sharc/runtime/header_readback.h"
 
 namespace sharc {
 
@@ -276,6 +277,19 @@ class Runtime : public torch::CustomClassHolder {
   /// collective instead of when it completes.
   void set_verify_schedule(bool verify);
 
+  /// Where a collective is settled (see header_readback.h): at its wait,
+  /// reading its headers back there (the default on the host), or once its
+  /// headers have arrived on the host, at the latest before the collective
+  /// kLag later is planned (the default on a device, where a read at the
+  /// wait would drain the stream). Settling on arrival on the host serves
+  /// tests of that path.
+  void set_settle_on_arrival(bool on_arrival);
+
+  /// Settles every collective waited on, waiting for the headers still on
+  /// their way: raises if the ranks diverged at any of them. Called before
+  /// what the step wrote is saved or read out.
+  void settle_all();
+
   /// Frees each of `ids` that is gathered (or in flight, which is waited
   /// for first) with no hold and not persistent: what a prefetch gathered
   /// for a use that did not come. Others are left alone. Returns those
@@ -337,8 +351,18 @@ class Runtime : public torch::CustomClassHolder {
                                           const WireShape& shape, c10::Device device);
   /// Settles collective `seq`, finishing it first if it is in flight.
   void settle_locked(int64_t seq);
-  /// Settles a gather from the headers in its wire (before its rows move).
-  void settle_gather_locked(const GatherInFlight& gather);
+  /// Whether a collective delivering into `wire` is settled once its
+  /// headers arrive (see set_settle_on_arrival).
+  bool settles_on_arrival(const at::Tensor& wire) const;
+  /// Whether collective `seq` is settled or its headers are on their way.
+  bool settled_or_arriving(int64_t seq) const;
+  /// Settles collective `seq` from its headers on their way to the host,
+  /// waiting for them; nothing if they are not.
+  void settle_arriving_locked(int64_t seq);
+  /// Settles, in order, the collectives whose headers have arrived.
+  void settle_arrived_locked();
+  /// settle_all() with the lock held.
+  void settle_all_locked();
   /// Settles a reduction from the bit sums in its wire (after its wait).
   void settle_reduction_locked(const PendingReduction& pending);
   /// Settles a full read from the headers in what it gathered.
@@ -415,6 +439,14 @@ class Runtime : public torch::CustomClassHolder {
   /// (by token).
   std::map<int64_t, std::weak_ptr<GatherInFlight>> unsettled_gathers_;
   std::map<int64_t, int64_t> unsettled_reductions_;
+  /// Collectives waited on whose headers are on their way to the host, by
+  /// seq (see header_readback.h): a reduction's bit sums, or a gather's rows.
+  struct ArrivingHeaders {
+    HeaderReadback headers;
+    bool bit_sums;
+  };
+  std::map<int64_t, ArrivingHeaders> arriving_;
+  std::optional<bool> settle_on_arrival_;  ///< unset: on a device only
   /// Set once the ranks diverged: the error every later collective raises.
   std::string diverged_;
   GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)

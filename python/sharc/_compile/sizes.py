@@ -22,7 +22,11 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.13 (2.11 on the GPU machines) names it size_hint
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 log = logging.getLogger("sharc")
 
