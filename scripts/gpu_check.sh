@@ -46,7 +46,11 @@ cp build/gpu/libsharc_torch.so python/sharc/lib/
 
 export PYTHONPATH="$PWD/python:$PWD/tests/python${PYTHONPATH:+:$PYTHONPATH}"
 if "$PYTHON" -c "import pytest" 2>/dev/null; then
-  "$PYTHON" -m pytest tests/python/test_cuda.py -v -rs --durations=0
+  # Each test runs its ranks in processes of their own; with pytest-xdist
+  # four tests share the GPU at once (none of them needs much of it).
+  PARALLEL=()
+  "$PYTHON" -c "import xdist" 2>/dev/null && PARALLEL=(-n 4)
+  "$PYTHON" -m pytest tests/python/test_cuda.py -v -rs --durations=0 "${PARALLEL[@]}"
 else
   echo "gpu_check: pytest is not installed; running the tests without it"
   "$PYTHON" tests/python/test_cuda.py
