@@ -42,11 +42,15 @@ class RankFailure(AssertionError):
     pass
 
 
-def _context():
+def _context(backend: str = "gloo"):
     """Ranks fork from a server process that has imported torch and sharc
     once (multiprocessing's forkserver): each rank starts in a fraction of a
     second instead of importing torch anew, and still starts clean, from a
-    process that never ran a test."""
+    process that never ran a test. Ranks on a GPU are spawned instead: the
+    server's imports start CUDA there (Inductor asks for the device), and a
+    forked child cannot start it again."""
+    if "nccl" in backend or "cuda" in backend:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "torch._inductor.compile_fx", "sharc", "dist_harness"])
@@ -55,7 +59,7 @@ def _context():
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool = True,
               backend: str = "gloo"):
-    ctx = _context()
+    ctx = _context(backend)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         pipes, procs = [], []
