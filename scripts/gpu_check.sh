@@ -36,11 +36,26 @@ if [ -d "$CUDA_HOME" ]; then
   [ -x "$CUDA_HOME/bin/nvcc" ] && CUDA_ARGS+=(-DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc")
   export PATH="$CUDA_HOME/bin:$PATH"
 fi
+# The system's C++ compiler, whose libstdc++ headers match the libstdc++ the
+# process loads. On the GPU machines CXX names a newer GCC (/opt/gcc): a
+# library built with its headers defines its own copies of the locale facets'
+# ids and crashed in the first integer it formatted (seen on an H200,
+# 2026-11-26). SHARC_CXX picks another.
+CXX_ARGS=()
+SHARC_CXX=${SHARC_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ )}
+[ -n "$SHARC_CXX" ] && CXX_ARGS=(-DCMAKE_CXX_COMPILER="$SHARC_CXX")
 # Release, as scripts/dev_build.sh builds: bench/gpu.py times this build.
 cmake -S . -B build/gpu "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
+  -DPython_EXECUTABLE="$(command -v "$PYTHON")" "${CXX_ARGS[@]}" \
   -DSHARC_BUILD_EXTENSION=ON -DSHARC_BUILD_TESTS=OFF "${CUDA_ARGS[@]}"
 cmake --build build/gpu -j "$(nproc)"
+if nm -D --defined-only build/gpu/libsharc_torch.so | grep -q '_ZGVNSt7num_put'; then
+  rm -f build/gpu/libsharc_torch.so
+  echo "gpu_check: the library defines libstdc++'s locale facet ids itself: the compiler's" \
+       "libstdc++ headers are newer than the libstdc++ loaded at run time, and formatting" \
+       "a number would crash; set SHARC_CXX to the system's g++ and rerun" >&2
+  exit 1
+fi
 mkdir -p python/sharc/lib
 cp build/gpu/libsharc_torch.so python/sharc/lib/
 

@@ -11,7 +11,9 @@ import torch.distributed as dist
 from sharc._module_state import state_of
 
 # Device types each c10d backend can communicate.
-_BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "mpi": {"cpu", "cuda"}}
+# Gloo runs every collective sharc issues on CUDA tensors too (ranks sharing
+# one GPU: tests/python/test_cuda.py, run on an H200).
+_BACKEND_DEVICES = {"gloo": {"cpu", "cuda"}, "nccl": {"cuda"}, "mpi": {"cpu", "cuda"}}
 
 
 def check_group(group, who: str = "sharc") -> dist.ProcessGroup:

@@ -31,7 +31,7 @@ def _twice_and_device(rank, world):
         errors["parent_of_sharded"] = str(e)
     try:  # a meta model's shards on a device gloo cannot communicate
         sharc.shard(torch.nn.Linear(3, 3, device="meta"),
-                    config=sharc.ShardConfig(device="cuda"))
+                    config=sharc.ShardConfig(device="xpu"))
     except RuntimeError as e:
         errors["device"] = str(e)
     return errors
@@ -42,8 +42,8 @@ def test_shard_twice_and_wrong_device():
         assert "already called" in errors["twice"]
         assert "already called" in errors["parent_of_sharded"]
         assert errors["device"] == (
-            "ShardConfig.device is 'cuda', but the process group's backend 'gloo' "
-            "communicates only ['cpu'] tensors: name a matching device or leave it None")
+            "ShardConfig.device is 'xpu', but the process group's backend 'gloo' "
+            "communicates only ['cpu', 'cuda'] tensors: name a matching device or leave it None")
 
 
 def _mismatched(rank, world):
