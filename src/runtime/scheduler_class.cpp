@@ -15,6 +15,7 @@
 //       keep_for_backward: bool (a forward graph whose backward reads
 //         parameters again: selective unsharding may keep them)
 //       keep_candidates: [IR ids] | None (None: every parameter)
+//       replicas: int (hybrid sharding's replicate group size; 1: flat)
 //   A Schedule's fields (read-only):
 //     ir: the scheduled IR text
 //     pipeline: the pipeline that ran, every argument written out (running it
@@ -104,6 +105,7 @@ struct ScheduleFacts : torch::CustomClassHolder {
   std::vector<double> collective_costs;
   bool keep_for_backward = false;
   std::optional<std::vector<int64_t>> keep_candidates;
+  int64_t replicas = 1;
 
   ir::PipelineOptions options() const {
     SHARC_CHECK(collective_costs.empty() || collective_costs.size() == 4,
@@ -120,6 +122,8 @@ struct ScheduleFacts : torch::CustomClassHolder {
       o.reduce_cost = CollectiveCost{collective_costs[2], collective_costs[3]};
     }
     o.keep_for_backward = keep_for_backward;
+    SHARC_CHECK(replicas >= 1, "sharc: replicas must be at least 1, got ", replicas);
+    o.replicas = replicas;
     if (keep_candidates) {
       o.keep_candidates = std::set<int64_t>(keep_candidates->begin(), keep_candidates->end());
     }
@@ -232,7 +236,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_readwrite("budget_is_default", &ScheduleFacts::budget_is_default)
       .def_readwrite("collective_costs", &ScheduleFacts::collective_costs)
       .def_readwrite("keep_for_backward", &ScheduleFacts::keep_for_backward)
-      .def_readwrite("keep_candidates", &ScheduleFacts::keep_candidates);
+      .def_readwrite("keep_candidates", &ScheduleFacts::keep_candidates)
+      .def_readwrite("replicas", &ScheduleFacts::replicas);
   m.class_<Schedule>("Schedule")
       .def_readonly("ir", &Schedule::ir)
       .def_readonly("pipeline", &Schedule::pipeline)
