@@ -97,13 +97,14 @@ def test_hybrid_compiled_matches_single_process():
         assert stats["all_reduce_calls"] > 0
 
 
-def _one_step_bytes(rank, world, compiled):
+def _one_step_bytes(rank, world, compiled, dump):
     import sharc
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
     sharc.shard(model, mesh=_mesh())
-    fn = torch.compile(model, backend="sharc", options={"inductor": False}) if compiled else model
+    options = {"inductor": False, "dump_ir": f"{dump}/{rank}"}
+    fn = torch.compile(model, backend="sharc", options=options) if compiled else model
     for _ in range(2):  # the second step runs a schedule the ranks know
         sharc.reset_memory_stats(model_group(model))
         fn(torch.randn(4, 5)).sum().backward()
@@ -111,8 +112,11 @@ def _one_step_bytes(rank, world, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_bytes_per_group_are_exact(compiled):
-    results = run_ranks(_one_step_bytes, WORLD, compiled)
+def test_bytes_per_group_are_exact(compiled, tmp_path):
+    results = run_ranks(_one_step_bytes, WORLD, compiled, str(tmp_path))
+    if compiled:  # the backward's schedule holds the all_reduce the pass placed
+        scheduled = [f.read_text() for f in tmp_path.rglob("*") if f.is_file()]
+        assert any(" = all_reduce %" in text for text in scheduled)
     widths = [math.ceil(n / PER_HOST) for n in (15, 3, 6, 2)]  # each parameter's shard
     for stats in results:
         if compiled:  # one bucket: every shard gradient and one non-finite flag
