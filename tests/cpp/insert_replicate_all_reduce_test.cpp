@@ -3,6 +3,7 @@
 #include "pass_test_util.h"
 #include "sharc/compiler/passes.h"
 #include "sharc/compiler/pipeline.h"
+#include "sharc/core/error.h"
 
 namespace sharc::ir {
 namespace {
