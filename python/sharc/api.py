@@ -277,12 +277,12 @@ def memory_stats(group=None) -> dict[str, int]:
     rank: 2 (R-1)/R of the payload, exact for R = 2), all_reduce_header_bytes
     their headers, replicate_size is R, and unreplicated_grad_bytes the shard
     sums held back by no_sync(replicate_only=True)."""
-    group = _mesh.shard_group_of(group, "sharc.memory_stats()")
+    group = _mesh.shard_group_of(group, "sharc")
     return dict(_runtime(group).stats())
 
 
 def reset_memory_stats(group=None) -> None:
     """Zeroes the communication counters and resets the peak to the bytes
     gathered now."""
-    group = _mesh.shard_group_of(group, "sharc.reset_memory_stats()")
+    group = _mesh.shard_group_of(group, "sharc")
     _runtime(group).reset_stats()
