@@ -344,3 +344,36 @@ def test_checkpoint_from_a_2x2_mesh_loads_flat_bitwise(tmp_path):
         for name, value in want_moments.items():
             n = make_parity_model().get_parameter(name).numel()
             assert torch.equal(got_moments[name][:n], value[:n]), f"{world} ranks: {name}"
+
+
+class _TwoPaths(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, skip_b: bool):
+        h = self.a(x)
+        return (h if skip_b else self.b(h)).sum()
+
+
+def _hosts_diverge(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _TwoPaths()
+    sharc.shard(model, mesh=_mesh())
+    try:
+        for step in range(3):
+            # In the last step the second host skips `b` (both of its ranks
+            # alike, so its shard group agrees): only the replicas differ.
+            model(torch.randn(2, 4), step == 2 and rank >= PER_HOST).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_hosts_that_diverge_raise_instead_of_hanging():
+    for rank, error in enumerate(run_ranks(_hosts_diverge, WORLD, timeout=120)):
+        assert error is not None, f"rank {rank} did not raise"
+        assert "the hosts diverged" in error, error
