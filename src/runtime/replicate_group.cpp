@@ -28,7 +28,8 @@ int64_t ReplicateGroup::ring_bytes(int64_t bytes, int64_t world) {
   return 2 * (world - 1) * bytes / world;
 }
 
-int64_t ReplicateGroup::start(const std::vector<int64_t>& ids, const at::Tensor& payload) {
+int64_t ReplicateGroup::start(const std::vector<int64_t>& ids, const at::Tensor& payload,
+                              bool verify) {
   RECORD_FUNCTION("sharc::start_replicate_all_reduce", std::vector<c10::IValue>());
   SHARC_CHECK(diverged_.empty(), diverged_, " (at an earlier all-reduce: the replicate group "
               "cannot communicate any more)");
@@ -49,7 +50,7 @@ int64_t ReplicateGroup::start(const std::vector<int64_t>& ids, const at::Tensor&
       CollectiveAgreement::fingerprint(kReplicateAllReduce, shape.dtype, ids);
   fingerprint ^= shape.pack() * 0x9e3779b97f4a7c15ULL;
   auto issue = agreement_.plan(fingerprint, shape, kReplicateAllReduce,
-                               static_cast<int64_t>(ids.size()), ids[0], /*exchange=*/false);
+                               static_cast<int64_t>(ids.size()), ids[0], verify);
   if (issue.plan == CollectiveAgreement::Plan::kExchange) {
     exchange_headers(issue.header, payload.device());
   } else if (issue.plan == CollectiveAgreement::Plan::kDecoy) {

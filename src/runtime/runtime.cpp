@@ -649,7 +649,7 @@ void Runtime::replicate_locked(PendingReduction& pending) {
     pending.out = at::empty({0}, sums.options());  // every shard gradient comes back zero
     return;
   }
-  pending.replicate_seq = replicate_->start(pending.ids, sums);
+  pending.replicate_seq = replicate_->start(pending.ids, sums, verify_schedule_);
 }
 
 std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {

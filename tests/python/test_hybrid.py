@@ -251,12 +251,15 @@ def _bad_inputs(rank, world):
         lin(), config=sharc.ShardConfig(replicate_groups=((0, 2), (1, 4)))))
     expect("leave group= unset (the world)", lambda: sharc.shard(
         lin(), mesh.get_group("shard"), config=sharc.ShardConfig(replicate_groups=((0, 1),))))
+    model = sharc.shard(lin(), mesh=mesh)
+    expect("replicate_only must be a bool",
+           lambda: sharc.no_sync(model, replicate_only=1).__enter__())
     return errors
 
 
 def test_bad_mesh_input_errors():
     for errors in run_ranks(_bad_inputs, WORLD):
-        assert len(errors) == 7
+        assert len(errors) == 8
 
 
 def _train_and_save(rank, world, path, hybrid):
@@ -357,12 +360,12 @@ class _TwoPaths(torch.nn.Module):
         return (h if skip_b else self.b(h)).sum()
 
 
-def _hosts_diverge(rank, world):
+def _hosts_diverge(rank, world, verify):
     import sharc
 
     torch.manual_seed(0)
     model = _TwoPaths()
-    sharc.shard(model, mesh=_mesh())
+    sharc.shard(model, mesh=_mesh(), config=sharc.ShardConfig(verify_schedule=verify))
     try:
         for step in range(3):
             # In the last step the second host skips `b` (both of its ranks
@@ -373,7 +376,11 @@ def _hosts_diverge(rank, world):
     return None
 
 
-def test_hosts_that_diverge_raise_instead_of_hanging():
-    for rank, error in enumerate(run_ranks(_hosts_diverge, WORLD, timeout=120)):
+@pytest.mark.parametrize("verify", [False, True])
+def test_hosts_that_diverge_raise_instead_of_hanging(verify):
+    # verify_schedule: found by a header exchange before the all-reduce.
+    for rank, error in enumerate(run_ranks(_hosts_diverge, WORLD, verify, timeout=120)):
         assert error is not None, f"rank {rank} did not raise"
         assert "the hosts diverged" in error, error
+        if verify:
+            assert "is about to all-reduce" in error, error

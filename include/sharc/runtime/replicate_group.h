@@ -38,7 +38,8 @@ class ReplicateGroup {
   /// `ids`. Returns the collective's seq; `payload_of(seq)` is the summed
   /// payload once finish(seq) returned. Plans it with the replicas first
   /// (may block for a header exchange or a decoy; throws where they diverged).
-  int64_t start(const std::vector<int64_t>& ids, const at::Tensor& payload);
+  /// `verify` (ShardConfig.verify_schedule) exchanges headers first always.
+  int64_t start(const std::vector<int64_t>& ids, const at::Tensor& payload, bool verify);
   /// The work to wait on for `seq` (null once finished).
   c10::intrusive_ptr<c10d::Work> work(int64_t seq) const;
   /// Waits (if not yet) and settles `seq`; throws where the replicas
