@@ -8,11 +8,13 @@ layers, 256 wide), 4 sequences of 128 tokens per rank, AdamW. Each row: the
 median step time of --steps timed steps after --warmup (rank 0's clock,
 every step starting at a barrier), and the bytes host 0 sent / received
 over its link per step (counted on the veth, set-up included), all in one
-run. Then the ratios, and a prediction of the flat / hybrid step-time
-ratio: each step = the same step with the link unlimited (measured, sharc
-flat) + host 0's link bytes of that row / the link rate (tbf gives the
-rate exactly; gloo keeps the link busy). Needs root; exits 77 where the
-rig cannot be built.
+run. Then the ratios, and the cost model's prediction of the flat / hybrid
+step-time ratio (sharc/core/collective_cost.h, through
+torch.classes.sharc.Scheduler): each step = the same step with the link
+unlimited (measured, sharc flat) + the bytes the model says a host sends
+over its link per step, at the link rate; and the same with the bytes
+measured on the link instead. Needs root; exits 77 where the rig cannot be
+built.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def job(out: str, mode: str, warmup: int, steps: int) -> None:
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
         result["step_s"] = statistics.median(times[warmup:])
+        result["param_bytes"] = sum(p.numel() * p.element_size()
+                                    for p in GPT(MODEL).parameters())
         if mode.startswith("sharc"):
             stats = sharc.memory_stats(sharc.api.sharded_root(model).group)
             for key in ("allgather_bytes", "reduce_scatter_bytes", "all_reduce_bytes"):
@@ -168,14 +172,28 @@ def main() -> int:
         print(f"| {mode} | {step} | {sent / 1e6:.1f} / {got / 1e6:.1f} | {ours} |")
     flat, hyb = rows.get("sharc flat", {}), rows.get("sharc hybrid", {})
     if "step_s" in flat and "step_s" in hyb and "step_s" in base:
+        import torch
+
+        import sharc  # noqa: F401  (loads torch.classes.sharc)
+
+        model = torch.classes.sharc.Scheduler
         measured = flat["step_s"] / hyb["step_s"]
-        t0 = base["step_s"]
-        predicted = ((t0 + link["sharc flat"] * 8 / bits)
-                     / (t0 + link["sharc hybrid"] * 8 / bits))
+        t0 = base["step_s"] * 1e6
+        predicted = ((t0 + link["sharc flat"] * 8 / bits * 1e6)
+                     / (t0 + link["sharc hybrid"] * 8 / bits * 1e6))
+        p_bytes = flat["param_bytes"]
+        b_flat = model.inter_host_bytes(p_bytes, HOSTS, PER_HOST, False)
+        b_hyb = model.inter_host_bytes(p_bytes, HOSTS, PER_HOST, True)
+        modelled = (model.predict_step_us(t0, b_flat, bits)
+                    / model.predict_step_us(t0, b_hyb, bits))
         print(f"hybrid / flat bytes over the slow link: "
-              f"{link['sharc hybrid'] / link['sharc flat']:.2f}")
-        print(f"flat / hybrid step time: measured {measured:.2f}, predicted {predicted:.2f} "
-              f"({abs(predicted - measured) / measured * 100:.0f}% apart)")
+              f"{link['sharc hybrid'] / link['sharc flat']:.2f} measured, "
+              f"{b_hyb / b_flat:.2f} by the cost model ({b_flat / 1e6:.1f} and "
+              f"{b_hyb / 1e6:.1f} MB per host and step)")
+        print(f"flat / hybrid step time: measured {measured:.2f}; cost model {modelled:.2f} "
+              f"({abs(modelled - measured) / measured * 100:.0f}% apart); from the measured "
+              f"link bytes {predicted:.2f} ({abs(predicted - measured) / measured * 100:.0f}% "
+              "apart)")
         hsdp = rows.get("FSDP2 HSDP", {})
         if "step_s" in hsdp:
             print(f"sharc hybrid / FSDP2 HSDP step time: {hyb['step_s'] / hsdp['step_s']:.2f}")

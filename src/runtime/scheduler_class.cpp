@@ -37,6 +37,11 @@
 //   Scheduler.predict(ir_text, collective_costs) -> (end_us, exposed_us,
 //     compute_us): the timeline model's run of a schedule
 //     (sharc/compiler/timeline.h)
+//   Scheduler.inter_host_bytes(param_bytes, hosts, per_host, hybrid) -> the
+//     bytes a host sends to the others per step, and
+//   Scheduler.predict_step_us(compute_us, inter_host_bytes, link_bits_per_s)
+//     -> a step's time when that link is the bottleneck
+//     (sharc/core/collective_cost.h)
 
 #include <algorithm>
 #include <optional>
@@ -208,6 +213,14 @@ int64_t peak_gathered_bytes(std::string ir_text) {
   return ir::peak_gathered(ir::parse(ir_text)).bytes;
 }
 
+int64_t inter_host_bytes(int64_t param_bytes, int64_t hosts, int64_t per_host, bool hybrid) {
+  return inter_host_bytes_per_step(param_bytes, hosts, per_host, hybrid);
+}
+
+double step_us(double compute_us, int64_t bytes, double link_bits_per_s) {
+  return predict_step_us(compute_us, bytes, link_bits_per_s);
+}
+
 std::tuple<double, double, double> predict(std::string ir_text,
                                            std::vector<double> collective_costs) {
   ScheduleFacts facts;
@@ -261,6 +274,10 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
                   "The largest parameter an IR graph reads, in the dtype the pipeline "
                   "gathers it in",
                   {torch::arg("ir_text"), torch::arg("pipeline") = std::string()})
+      .def_static("inter_host_bytes", &sharc::inter_host_bytes,
+                  "Bytes a host sends to the other hosts per step (collective_cost.h)")
+      .def_static("predict_step_us", &sharc::step_us,
+                  "A step's time with the link between hosts as the bottleneck")
       .def_static("predict", &sharc::predict,
                   "The timeline model's run of a schedule: (end_us, exposed_us, compute_us)",
                   {torch::arg("ir_text"), torch::arg("collective_costs") = c10::List<double>()});
