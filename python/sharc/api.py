@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from sharc import _full_param_access, _state_dict_hooks, _validate, mixed_precision
+from sharc import _full_param_access, _mesh, _state_dict_hooks, _validate, mixed_precision
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._eager_schedule import EagerSchedule, GatherUnit
 from sharc._rank_check import RankCheck
@@ -32,8 +32,15 @@ def _runtime(group) -> Runtime:
     return Runtime.for_group(group.group_name)
 
 
-def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = None):
+def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = None,
+          mesh=None):
     """Shards `module`'s parameters over `group` (default: the world), in place.
+
+    Hybrid sharding: `mesh`, a 2-D DeviceMesh with dims ("replicate",
+    "shard") (or `config.replicate_groups`), shards over the mesh's shard
+    dimension and replicates over the other: gradients are reduce-scattered
+    in the shard group, then all-reduced over the replicate group, averaged
+    over every rank as flat sharding does (docs/design/hybrid-sharding.md).
 
     Afterwards `module.parameters()` yields each rank's flat, padded shard, so
     any optimizer updates sharded state; forward code is unchanged, each
@@ -47,7 +54,10 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     (docs/design/meta-init.md).
     """
     config = config or ShardConfig()
-    group = _validate.check_group(group)
+    if not isinstance(config, ShardConfig):
+        raise TypeError(f"sharc.shard(): config must be a sharc.ShardConfig, got {config!r}")
+    groups = _mesh.resolve(group, mesh, config)
+    group = groups.shard
     _validate.check_not_sharded(module)
     meta = _validate.built_on_meta(module)
     if meta:  # only this rank's shards are allocated, there
@@ -58,11 +68,14 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     named = list(module.named_parameters())  # unique parameters, canonical names
     if dist.get_world_size(group) > 1:
         _validate.check_replicas(named, group, config.verify_replicas)
+    if groups.replicate is not None and dist.get_world_size(groups.replicate) > 1:
+        _validate.check_replicas(named, groups.replicate, config.verify_replicas)
 
     _validate.check_keep_gathered(config.keep_gathered, named)
     units = _validate.resolve_gather_units(module, config.gather_units)
     dtypes = {p: mixed_precision.param_dtypes(fqn, p, config.mixed_precision) for fqn, p in named}
     runtime = _runtime(group)
+    _mesh.attach(runtime, groups.replicate)
     if config.verify_schedule:
         runtime.set_verify_schedule(True)
     refs_by_param = _register(runtime, group.group_name, named, dtypes, device)
@@ -215,7 +228,7 @@ def sharded_root(module: torch.nn.Module) -> _ShardedRoot:
 
 
 @contextlib.contextmanager
-def no_sync(module: torch.nn.Module, enabled: bool = True):
+def no_sync(module: torch.nn.Module, enabled: bool = True, *, replicate_only: bool = False):
     """Backward passes inside skip the gradient reduce-scatter: each full
     gradient is summed into a full-size buffer of its parameter's (counted in
     memory_stats()['unreduced_grad_bytes']), and the first backward outside
@@ -223,15 +236,26 @@ def no_sync(module: torch.nn.Module, enabled: bool = True):
     1/N of the reduce-scatter traffic, for one full-size gradient per
     parameter held between micro-batches. Every rank must use it alike.
     A parameter must get a gradient in the synced backward for what it held
-    back to be reduced."""
+    back to be reduced.
+
+    Hybrid sharding: `no_sync` defers both the reduce-scatter and the
+    replicate all-reduce. With `replicate_only=True` only the all-reduce
+    over the replicate group (the slow link between hosts) is deferred:
+    each micro-batch is reduce-scattered within its shard group and the
+    shard gradient sums wait in a shard-sized buffer per parameter
+    (memory_stats()['unreplicated_grad_bytes']) until the first backward
+    outside all-reduces them once. On flat sharding it defers nothing."""
+    if not isinstance(replicate_only, bool):
+        raise TypeError(f"sharc.no_sync(): replicate_only must be a bool, got {replicate_only!r}")
     runtime = sharded_root(module).runtime
+    setter = runtime.set_replicate_sync if replicate_only else runtime.set_gradient_sync
     if enabled:
-        runtime.set_gradient_sync(False)
+        setter(False)
     try:
         yield
     finally:
         if enabled:
-            runtime.set_gradient_sync(True)
+            setter(True)
 
 
 def memory_stats(group=None) -> dict[str, int]:
@@ -244,13 +268,21 @@ def memory_stats(group=None) -> dict[str, int]:
     gathered_bytes), header_sent_bytes (since the last reset) and
     agreement_calls (collectives beyond the schedule's own it took to agree:
     none once the ranks have run a schedule before, see
-    docs/design/collective-agreement.md)."""
-    group = _validate.check_group(group)
+    docs/design/collective-agreement.md).
+
+    Hybrid sharding (pass the mesh, or the shard group): the figures above
+    are the shard group's (shards over the shard group, reduce-scatter
+    bytes sent in it); all_reduce_bytes and all_reduce_calls count the
+    replicate group's all-reduces (bytes a ring all-reduce sends from each
+    rank: 2 (R-1)/R of the payload, exact for R = 2), all_reduce_header_bytes
+    their headers, replicate_size is R, and unreplicated_grad_bytes the shard
+    sums held back by no_sync(replicate_only=True)."""
+    group = _mesh.shard_group_of(group, "sharc")
     return dict(_runtime(group).stats())
 
 
 def reset_memory_stats(group=None) -> None:
     """Zeroes the communication counters and resets the peak to the bytes
     gathered now."""
-    group = _validate.check_group(group)
+    group = _mesh.shard_group_of(group, "sharc")
     _runtime(group).reset_stats()

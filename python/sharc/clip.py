@@ -12,6 +12,13 @@ holds zero gradients, which add nothing to a p-norm (p > 0) or a max.
 A parameter that is not a shard of the group (never passed through shard(),
 or sharded over another group) has a whole gradient on every rank: counted
 on each rank it would be counted W times, so mixing is an error.
+
+Hybrid sharding: the norm is summed over the shard group only. After the
+replicate all-reduce every replica holds the same shard gradients, so each
+shard group already sees every element of every gradient exactly once;
+summing over the world would count each element R times. Every replica
+computes the same norm from the same shards and scales them alike, so the
+replicas stay equal.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from sharc import _validate
+from sharc import _mesh, _validate
 from sharc._library import Runtime
 
 
@@ -39,8 +46,12 @@ def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor] | torch
     rank). Collective: every rank of the group must call it. `norm_type` is
     a positive number or `inf`. With `error_if_nonfinite`, a NaN or infinite
     norm raises on every rank. See [Note: clipping shards].
+
+    `group` may be a hybrid mesh (its shard group is used); left None with a
+    sharded module, the group the module was sharded over (the shard group
+    of a hybrid mesh), else the world.
     """
-    group = _validate.check_group(group, "sharc.clip_grad_norm_()")
+    group = _group_for(parameters, group)
     params = _parameter_list(parameters)
     max_norm, p = _check_norm_args(max_norm, norm_type)
     grads = [t.grad for t in params if t.grad is not None]
@@ -59,6 +70,17 @@ def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor] | torch
                 g.mul_(coef)
     dtype = grads[0].dtype if grads else torch.get_default_dtype()
     return torch.tensor(total, dtype=dtype, device=device)
+
+
+def _group_for(parameters, group):
+    if group is None and isinstance(parameters, torch.nn.Module):
+        from sharc.api import sharded_root, unwrap_compiled
+
+        try:
+            return sharded_root(unwrap_compiled(parameters)).group
+        except RuntimeError:
+            pass  # not sharded: the world, and the shard check below says what is wrong
+    return _mesh.shard_group_of(group, "sharc.clip_grad_norm_()")
 
 
 def _parameter_list(parameters) -> list[torch.Tensor]:
@@ -112,7 +134,8 @@ def _shard_problem(params: list[torch.Tensor], group) -> str | None:
     return (f"{len(foreign)} of the {len(params)} parameters given (the first: #{foreign[0]}, "
             f"shape {tuple(t.shape)}) are not shards of group '{group.group_name}': "
             "sharc.clip_grad_norm_() clips only parameters sharded by sharc.shard() over "
-            "that group (pass group= the group given to shard()); clip parameters that were "
+            "that group (pass group= the group given to shard(), or the mesh, or the sharded "
+            "module itself); clip parameters that were "
             "not sharded separately, with torch.nn.utils.clip_grad_norm_")
 
 

@@ -70,7 +70,23 @@ class ShardConfig:
     gloo, the current CUDA device for nccl. A model built on a real device
     keeps its parameters' device, and naming another one here is an error."""
 
+    replicate_groups: tuple[tuple[int, ...], ...] | None = None
+    """Hybrid sharding without a DeviceMesh: the replicate groups, as tuples
+    of global ranks, e.g. `((0, 2), (1, 3))` for 2 hosts of 2 ranks (ranks
+    0, 1 on one host, 2, 3 on the other). Each tuple lists ranks that hold
+    the same shards (one per host); position i of every tuple together forms
+    shard group i, over which parameters are sharded (here (0, 1) and
+    (2, 3)). Every tuple has the same length and the tuples cover the ranks
+    of `shard()`'s group (which must then be the world) exactly once.
+    Gradients are reduce-scattered in the shard group, then all-reduced
+    over the replicate group. None: flat sharding over the group. Equivalent
+    to `shard(model, mesh=init_device_mesh(..., (R, S),
+    mesh_dim_names=("replicate", "shard")))`; see
+    docs/design/hybrid-sharding.md."""
+
     def __post_init__(self) -> None:
+        if self.replicate_groups is not None:
+            self.replicate_groups = _rank_groups(self.replicate_groups)
         if self.device is not None:
             if not isinstance(self.device, (str, torch.device)):
                 raise TypeError("ShardConfig.device must be a torch.device, a device string "
@@ -233,6 +249,41 @@ class CompileConfig:
             raise ValueError(f"unknown sharc compile option {unknown[0]!r}; the options are "
                              f"{', '.join(cls.__dataclass_fields__)}")
         return cls(**fields)
+
+
+def _rank_groups(value) -> tuple[tuple[int, ...], ...]:
+    """ShardConfig.replicate_groups as a tuple of tuples of ranks, checked for
+    shape (what only the group's size can check is checked by shard())."""
+    field = "ShardConfig.replicate_groups"
+    example = "e.g. ((0, 2), (1, 3)) for 2 hosts of 2 ranks"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{field} must be a tuple of tuples of global ranks ({example}), "
+                        f"got {value!r}")
+    groups = []
+    for g in value:
+        if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
+            raise TypeError(f"{field} must be a tuple of tuples of global ranks ({example}), "
+                            f"got the element {g!r}")
+        ranks = tuple(g)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+        if bad:
+            raise TypeError(f"{field}: ranks are ints >= 0, got {bad[0]!r} in {ranks!r}")
+        groups.append(ranks)
+    if not groups or not groups[0]:
+        raise ValueError(f"{field} must name at least one non-empty group ({example}); "
+                         "leave it None for flat sharding")
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"{field}: every replicate group must have the same size (one rank "
+                         f"per host), got sizes {sizes}")
+    seen: set[int] = set()
+    for g in groups:
+        twice = [r for r in g if r in seen or g.count(r) > 1]
+        if twice:
+            raise ValueError(f"{field}: rank {twice[0]} is in more than one place; each rank "
+                             "holds one shard and is in exactly one replicate group")
+        seen.update(g)
+    return tuple(groups)
 
 
 def _names(field: str, value, what: str) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ const char* to_string(NodeKind kind) {
     case NodeKind::WaitReduce: return "wait_reduce";
     case NodeKind::PrefetchNext: return "prefetch_next";
     case NodeKind::Output: return "output";
+    case NodeKind::AllReduce: return "all_reduce";
   }
   return "unknown";
 }
@@ -31,6 +32,7 @@ const char* to_string(Rule rule) {
     case Rule::WaitsFollowGathers: return "each wait right after its gather";
     case Rule::GradientsReduced: return "gradients reduced";
     case Rule::ReductionsWaited: return "reductions waited";
+    case Rule::ReplicasReduced: return "replicas reduced";
     case Rule::WithinBudget: return "within the memory budget";
   }
   return "unknown";
@@ -128,7 +130,7 @@ int64_t param_id(const std::string& token, int lineno) {
 NodeKind kind_of(const std::string& word, int lineno) {
   for (NodeKind k : {NodeKind::Input, NodeKind::Compute, NodeKind::Gather, NodeKind::Wait,
                      NodeKind::Release, NodeKind::ReduceScatter, NodeKind::WaitReduce,
-                     NodeKind::PrefetchNext, NodeKind::Output}) {
+                     NodeKind::PrefetchNext, NodeKind::Output, NodeKind::AllReduce}) {
     if (word == to_string(k)) return k;
   }
   throw Error(detail::concat("sharc ir line ", lineno, ": unknown node kind '", word, "'"));

@@ -75,6 +75,7 @@ class Verifier {
       case NodeKind::Release: visit_release(index, n); break;
       case NodeKind::ReduceScatter: visit_reduce(index, n); break;
       case NodeKind::WaitReduce: visit_wait_reduce(index, n); break;
+      case NodeKind::AllReduce: visit_all_reduce(index, n); break;
       case NodeKind::PrefetchNext:  // its parameters name the graph; no use
         for (const Operand& o : n.operands) use(index, o);
         break;
@@ -253,6 +254,9 @@ class Verifier {
     if (reduction == reductions_in_flight_.end()) {
       if (waited_reductions_.count(token)) {
         fail(index, "waits on %", token, " again; each reduction is waited on once");
+      } else if (all_reduced_.count(token)) {
+        fail(index, "waits on %", token, ", which an all_reduce took over; wait on the "
+             "all_reduce's token");
       } else if (!defined_.count(token)) {
         fail(index, "waits on %", token, " before it is defined; a wait_reduce follows its "
              "reduce_scatter");
@@ -260,6 +264,11 @@ class Verifier {
         fail(index, "waits on %", token, ", which is not a reduce_scatter's token");
       }
       return;
+    }
+    if (options_.demands(Rule::ReplicasReduced) && !replicated_.count(token)) {
+      fail(index, "waits on %", token, " before any all_reduce of it; with hybrid sharding "
+           "every reduction is summed over the replicate group first "
+           "(insert_replicate_all_reduce)");
     }
     const std::vector<int64_t> params = reduction->second;
     reductions_in_flight_.erase(reduction);
@@ -270,6 +279,37 @@ class Verifier {
     for (size_t i = 0; i < params.size() && i < n.outputs.size(); ++i) {
       shard_grads_[n.outputs[i]] = params[i];
     }
+  }
+
+  // An all_reduce names its reduction only and takes its token over: the
+  // reduction's wait then waits on the all_reduce's token, once.
+  void visit_all_reduce(size_t index, const Node& n) {
+    if (!n.params.empty()) fail(index, "names parameters; its reduction names them");
+    if (n.operands.size() != 1 || n.operands[0].is_param() || n.outputs.size() != 1) {
+      fail(index, "must read exactly one reduction (a reduce_scatter's token) and define one "
+           "token, the one its wait_reduce waits on");
+      return;
+    }
+    const std::string& token = n.operands[0].value;
+    auto reduction = reductions_in_flight_.find(token);
+    if (reduction == reductions_in_flight_.end() || replicated_.count(token)) {
+      if (all_reduced_.count(token) || replicated_.count(token)) {
+        fail(index, "all-reduces %", token, " again; each reduction is all-reduced once");
+      } else if (waited_reductions_.count(token)) {
+        fail(index, "all-reduces %", token, " after its wait_reduce; the wait must come after");
+      } else if (!defined_.count(token)) {
+        fail(index, "all-reduces %", token, " before it is defined; an all_reduce follows "
+             "its reduce_scatter");
+      } else {
+        fail(index, "all-reduces %", token, ", which is not a reduce_scatter's token");
+      }
+      return;
+    }
+    const std::vector<int64_t> params = reduction->second;
+    reductions_in_flight_.erase(reduction);
+    reductions_in_flight_[n.outputs[0]] = params;
+    replicated_.insert(n.outputs[0]);
+    all_reduced_.insert(token);
   }
 
   // Every reduction is waited on and its shard gradients leave the graph:
@@ -327,6 +367,8 @@ class Verifier {
   std::map<int64_t, int> reductions_;                    // param -> reductions
   std::map<std::string, std::vector<int64_t>> reductions_in_flight_;  // token -> params
   std::set<std::string> waited_reductions_;                           // tokens waited on
+  std::set<std::string> replicated_;  // all_reduce tokens (and so: not all-reducible again)
+  std::set<std::string> all_reduced_;  // reduce_scatter tokens an all_reduce took over
   std::map<std::string, int64_t> shard_grads_;  // wait_reduce output -> param
   std::set<std::string> returned_;              // values the output reads
   std::map<int64_t, std::set<size_t>> users_;  // param -> nodes that used it since its wait

@@ -72,6 +72,7 @@ PipelineSpec shipping_pipeline(const PipelineOptions& options) {
                     {"insert_gather_release"}, {"bucket_allgathers"},
                     {"prefetch_gathers"},      {"insert_reduce_scatter"},
                     {"prefetch_by_cost"},      {"place_reduce_waits"},
+                    {"insert_replicate_all_reduce"},
                     {"mark_graph_prefetch"},   {"annotate_collective_costs"}};
   set_int(p[2], "budget", budget);
   set_int(p[3], "budget", budget);
@@ -86,9 +87,10 @@ PipelineSpec shipping_pipeline(const PipelineOptions& options) {
   set_cost(p[8], "gather", options.gather_cost);
   set_cost(p[8], "reduce", options.reduce_cost);
   set_int(p[8], "budget", budget);
-  set_int(p[10], "budget", budget);
-  set_cost(p[11], "gather", options.gather_cost);
-  set_cost(p[11], "reduce", options.reduce_cost);
+  set_int(p[10], "replicas", options.replicas);
+  set_int(p[11], "budget", budget);
+  set_cost(p[12], "gather", options.gather_cost);
+  set_cost(p[12], "reduce", options.reduce_cost);
   for (PassSpec& spec : p) {
     for (const std::string& off : options.disabled_passes) {
       if (spec.name == off) spec.enabled = false;
@@ -117,6 +119,13 @@ PipelineSpec complete_pipeline(const PipelineSpec& given, const PipelineOptions&
 PassManager build_pipeline(const PipelineSpec& pipeline) {
   VerifyOptions final_rules = VerifyOptions::complete();
   for (const PassSpec& spec : pipeline) {
+    // Hybrid sharding: a finished schedule all-reduces every reduction over
+    // the replicate group, whether or not the pass that does it is on.
+    auto replicas = spec.args.find("replicas");
+    if (spec.name == "insert_replicate_all_reduce" && replicas != spec.args.end() &&
+        std::stoll(replicas->second) > 1) {
+      final_rules.require(Rule::ReplicasReduced);
+    }
     if (spec.name != "check_memory_budget" || !spec.enabled) continue;
     auto budget = spec.args.find("budget");
     if (budget != spec.args.end() && budget->second != "none") {

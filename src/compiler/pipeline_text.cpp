@@ -185,6 +185,8 @@ const std::map<std::string, Factory>& factories() {
          return make_prefetch_by_cost(costs, a.optional_int("budget"));
        }},
       {"place_reduce_waits", [](Args&) { return make_place_reduce_waits(); }},
+      {"insert_replicate_all_reduce",
+       [](Args& a) { return make_insert_replicate_all_reduce(a.required_int("replicas")); }},
       {"mark_graph_prefetch",
        [](Args& a) { return make_mark_graph_prefetch(a.optional_int("budget")); }},
       {"annotate_collective_costs",

@@ -78,6 +78,11 @@ Timeline predict(const Graph& graph, const CollectiveCostModel& costs) {
         }
         break;
       }
+      case NodeKind::AllReduce:  // the replicate link is not modelled: its reduction's end
+        if (!n.operands.empty() && !n.outputs.empty() && done_at.count(n.operands[0].value)) {
+          done_at[n.outputs[0]] = done_at.at(n.operands[0].value);
+        }
+        break;
       default:
         break;
     }

@@ -34,4 +34,24 @@ CollectiveCost CollectiveCost::fit(const std::vector<std::pair<int64_t, double>>
   return cost;
 }
 
+int64_t inter_host_bytes_per_step(int64_t param_bytes, int64_t hosts, int64_t per_host,
+                                  bool hybrid) {
+  SHARC_CHECK(param_bytes >= 0 && hosts >= 1 && per_host >= 1, "sharc: inter-host bytes need "
+              "param_bytes >= 0 and at least one host of one rank, got ", param_bytes, ", ",
+              hosts, " x ", per_host);
+  if (hosts == 1) return 0;
+  const double p = static_cast<double>(param_bytes);
+  const double h = static_cast<double>(hosts), m = static_cast<double>(per_host);
+  if (hybrid) return static_cast<int64_t>(m * 2.0 * (h - 1.0) / h * (p / m));
+  const double w = h * m;
+  const double gathers = 2.0 * (w - 1.0) / w * p;
+  const double reduce = m * (w - m) / w * p;
+  return static_cast<int64_t>(gathers + reduce);
+}
+
+double predict_step_us(double compute_us, int64_t inter_host_bytes, double link_bits_per_s) {
+  SHARC_CHECK(link_bits_per_s > 0, "sharc: a link rate must be > 0, got ", link_bits_per_s);
+  return compute_us + static_cast<double>(inter_host_bytes) * 8.0 / link_bits_per_s * 1e6;
+}
+
 }  // namespace sharc

@@ -158,4 +158,11 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& t) {
   return live_group()->allreduce(tensors, options);
 }
 
+c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_sum(at::Tensor& t) {
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return live_group()->allreduce(tensors, options);
+}
+
 }  // namespace sharc

@@ -538,6 +538,7 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     pending.widths.push_back(p.layout.shard_numel());
     pending.dtypes.push_back(p.spec.grad_dtype);
     pending.held.push_back(held[i]);
+    pending.ids.push_back(ids[i]);
     if (!held[i]) columns += p.layout.shard_numel();
   }
   const at::TensorOptions options = full_grads[0].options().dtype(bucket_dtype);
@@ -581,8 +582,7 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
   return token;
 }
 
-std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
-  RECORD_FUNCTION("sharc::wait_reduce_scatter", std::vector<c10::IValue>());
+void Runtime::finish_reduce_scatter(int64_t token) {
   c10::intrusive_ptr<c10d::Work> work;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -595,8 +595,82 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
                 "is waited on once");
     work = it->second.work;
   }
-  const int64_t ns = work ? timed_wait(*work) : 0;  // outside the lock: backward runs on
+  if (!work) return;  // finished already (start_replicate_all_reduce), or nothing sent
+  const int64_t ns = timed_wait(*work);  // outside the lock: backward runs on
   work.reset();
+  std::lock_guard<std::mutex> lock(mutex_);
+  accounting_.on_reduce_wait(ns);
+  auto it = reductions_.find(token);
+  SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
+              " was waited on by two threads at once");
+  if (!it->second.work) return;
+  settle_reduction_locked(it->second);  // may raise: the ranks diverged
+  // Its input goes with the work; `out` (a view of the wire) stays.
+  release_waited(it->second.work);
+  it->second.work.reset();
+  it->second.input = at::Tensor();
+}
+
+void Runtime::start_replicate_all_reduce(int64_t token) {
+  finish_reduce_scatter(token);
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = reductions_.find(token);
+  SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
+              " in group '", comm_.group_name(), "' was waited on already");
+  if (!it->second.replicated) replicate_locked(it->second);
+}
+
+void Runtime::replicate_locked(PendingReduction& pending) {
+  pending.replicated = true;
+  if (!replicate_ || pending.seq < 0) return;  // flat sharding, or nothing was sent
+  const at::Tensor sums = pending.out;  // undivided shard sums, then the flag's sum
+  const int64_t flag_at = sums.numel() - 1;
+  int64_t offset = 0;
+  for (size_t i = 0; i < pending.ids.size(); ++i) {
+    if (pending.held[i]) continue;
+    ShardedParam& p = param(pending.ids[i]);
+    const int64_t width = pending.widths[i];
+    at::Tensor mine = sums.narrow(0, offset, width);
+    offset += width;
+    if (!replicate_sync_) {  // defer_replicate: kept for the next synced all-reduce
+      at::Tensor held = at::cat({mine, sums.narrow(0, flag_at, 1)});
+      if (p.unreplicated.defined()) {
+        p.unreplicated.add_(held.to(p.unreplicated.scalar_type()));
+      } else {
+        p.unreplicated = held;
+        unreplicated_bytes_ += static_cast<int64_t>(held.nbytes());
+      }
+      pending.held[i] = true;
+      continue;
+    }
+    if (!p.unreplicated.defined()) continue;
+    const at::Tensor before = p.unreplicated.to(sums.scalar_type());
+    mine.add_(before.narrow(0, 0, width));
+    sums.narrow(0, flag_at, 1).add_(before.narrow(0, width, 1));
+    unreplicated_bytes_ -= static_cast<int64_t>(p.unreplicated.nbytes());
+    p.unreplicated = at::Tensor();
+  }
+  if (!replicate_sync_) {
+    pending.out = at::empty({0}, sums.options());  // every shard gradient comes back zero
+    return;
+  }
+  pending.replicate_seq = replicate_->start(pending.ids, sums, verify_schedule_);
+}
+
+std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
+  RECORD_FUNCTION("sharc::wait_reduce_scatter", std::vector<c10::IValue>());
+  finish_reduce_scatter(token);
+  c10::intrusive_ptr<c10d::Work> all_reduce;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = reductions_.find(token);
+    SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
+                " was waited on by two threads at once");
+    if (!it->second.replicated) replicate_locked(it->second);
+    if (it->second.replicate_seq >= 0) all_reduce = replicate_->work(it->second.replicate_seq);
+  }
+  const int64_t ns = all_reduce ? timed_wait(*all_reduce) : 0;  // outside the lock
+  all_reduce.reset();
   PendingReduction pending;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -606,9 +680,14 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
                 " was waited on by two threads at once");
     pending = std::move(it->second);
     reductions_.erase(it);
-    if (pending.work) settle_reduction_locked(pending);  // may raise: the ranks diverged
+    if (pending.replicate_seq >= 0) {  // may raise: the replicas diverged
+      pending.out = replicate_->finish(pending.replicate_seq);
+      pending.replicas = replicate_->world_size();
+    }
   }
-  at::Tensor out = pending.out.div_(comm_.world_size());
+  // Averaged over every rank that summed into it: the shard group, times
+  // the replicas where the all-reduce ran (so hybrid averages as flat does).
+  at::Tensor out = pending.out.div_(comm_.world_size() * pending.replicas);
   // A non-finite gradient on any rank makes every rank's shard gradients
   // NaN: an inf that lands in one rank's shard would otherwise let a loss
   // scaler skip the step there and take it elsewhere, and the ranks' models
@@ -656,6 +735,25 @@ void Runtime::hold_unreduced(ShardedParam& p, const at::Tensor& grad) {
   }
   p.unreduced = flat.clone();
   accounting_.on_unreduced(static_cast<int64_t>(p.unreduced.nbytes()));
+}
+
+void Runtime::set_replicate_group(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  SHARC_CHECK(!replicate_, "sharc: group '", comm_.group_name(), "' already all-reduces over "
+              "replicate group '", replicate_ ? replicate_->group_name() : "", "'; a shard group "
+              "has one replicate group for its life");
+  SHARC_CHECK(reductions_.empty(), "sharc: set the replicate group before any reduction");
+  replicate_ = std::make_unique<ReplicateGroup>(group_name);
+}
+
+int64_t Runtime::replicate_size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return replicate_ ? replicate_->world_size() : 1;
+}
+
+void Runtime::set_replicate_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  replicate_sync_ = sync;
 }
 
 void Runtime::set_gradient_sync(bool sync) {
@@ -844,6 +942,13 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("header_bytes", headers);
   out.insert("header_sent_bytes", s.header_sent_bytes);
   out.insert("agreement_calls", s.agreement_calls);
+  // Hybrid sharding: the replicate group's all-reduces, counted apart
+  // from the shard group's collectives above.
+  out.insert("replicate_size", replicate_ ? replicate_->world_size() : 1);
+  out.insert("all_reduce_bytes", replicate_ ? replicate_->sent_bytes() : 0);
+  out.insert("all_reduce_calls", replicate_ ? replicate_->calls() : 0);
+  out.insert("all_reduce_header_bytes", replicate_ ? replicate_->header_bytes() : 0);
+  out.insert("unreplicated_grad_bytes", unreplicated_bytes_);
   return out;
 }
 
@@ -866,6 +971,7 @@ std::vector<double> Runtime::collective_costs() {
 void Runtime::reset_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   accounting_.reset();
+  if (replicate_) replicate_->reset_stats();
 }
 
 }  // namespace sharc

@@ -21,6 +21,10 @@
 //   wait_reduce_scatter(token, group, params) -> shard grads
 //       Waits for the reduction of `token`; each parameter's flat shard
 //       gradient, averaged. A token waited on already is an error.
+//   start_replicate_all_reduce(token, group, params) -> token
+//       Hybrid sharding: waits the reduce-scatter of `token` and starts the
+//       all-reduce of its shard sums over the replicate group; the token it
+//       returns names the same reduction, for its wait_reduce_scatter.
 //   prefetch_next_graph(shards, after, group, graph_kind, key, budget) -> ()
 //       The graph's prefetch point: starts the first gather of the graph
 //       that followed this one last time, within `budget` bytes gathered
@@ -29,7 +33,7 @@
 //       `after` orders it after those values.
 //
 // Each op calls the Runtime method of its name. start_gather, release,
-// start_reduce_scatter and prefetch_next_graph are registered as side-effecting in Python
+// start_reduce_scatter, start_replicate_all_reduce and prefetch_next_graph are registered as side-effecting in Python
 // (sharc/_compile/ops.py) so neither FX nor Inductor drops them.
 
 #include <ATen/ATen.h>
@@ -126,6 +130,22 @@ std::vector<at::Tensor> wait_reduce_scatter_meta(const at::Tensor& token,
   return shards;
 }
 
+// Hybrid sharding: the reduction's token comes in and a new token tensor
+// for the same reduction goes out, so the wait that follows depends on this
+// op and a compiler cannot move it ahead.
+at::Tensor start_replicate_all_reduce_kernel(const at::Tensor& token, const std::string& group,
+                                             c10::IntArrayRef params) {
+  auto runtime = RuntimeTable::instance().get(group);
+  const int64_t id = runtime->take_token(token);
+  runtime->start_replicate_all_reduce(id);
+  return runtime->token_tensor(id, token.options());
+}
+
+at::Tensor start_replicate_all_reduce_meta(const at::Tensor& token, const std::string& group,
+                                           c10::IntArrayRef params) {
+  return at::empty({1}, token.options());
+}
+
 void prefetch_next_graph_kernel(at::TensorList shards, at::TensorList after,
                                 const std::string& group, int64_t graph_kind,
                                 c10::IntArrayRef key, int64_t budget) {
@@ -146,6 +166,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.def("release(Tensor full, Tensor[] after, str group, int param) -> ()");
   m.def("start_reduce_scatter(Tensor[] grads, str group, int[] params) -> Tensor");
   m.def("wait_reduce_scatter(Tensor token, str group, int[] params) -> Tensor[]");
+  m.def("start_replicate_all_reduce(Tensor token, str group, int[] params) -> Tensor");
   m.def("prefetch_next_graph(Tensor[] shards, Tensor[] after, str group, int graph_kind, "
         "int[] key, int budget) -> ()");
 }
@@ -156,6 +177,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.impl("release", sharc::release_##suffix);                              \
   m.impl("start_reduce_scatter", sharc::start_reduce_scatter_##suffix);   \
   m.impl("wait_reduce_scatter", sharc::wait_reduce_scatter_##suffix);      \
+  m.impl("start_replicate_all_reduce", sharc::start_replicate_all_reduce_##suffix); \
   m.impl("prefetch_next_graph", sharc::prefetch_next_graph_##suffix);
 
 TORCH_LIBRARY_IMPL(sharc, CPU, m) { SHARC_SCHEDULE_KERNELS(kernel) }

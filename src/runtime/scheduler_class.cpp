@@ -15,6 +15,7 @@
 //       keep_for_backward: bool (a forward graph whose backward reads
 //         parameters again: selective unsharding may keep them)
 //       keep_candidates: [IR ids] | None (None: every parameter)
+//       replicas: int (hybrid sharding's replicate group size; 1: flat)
 //   A Schedule's fields (read-only):
 //     ir: the scheduled IR text
 //     pipeline: the pipeline that ran, every argument written out (running it
@@ -36,6 +37,11 @@
 //   Scheduler.predict(ir_text, collective_costs) -> (end_us, exposed_us,
 //     compute_us): the timeline model's run of a schedule
 //     (sharc/compiler/timeline.h)
+//   Scheduler.inter_host_bytes(param_bytes, hosts, per_host, hybrid) -> the
+//     bytes a host sends to the others per step, and
+//   Scheduler.predict_step_us(compute_us, inter_host_bytes, link_bits_per_s)
+//     -> a step's time when that link is the bottleneck
+//     (sharc/core/collective_cost.h)
 
 #include <algorithm>
 #include <optional>
@@ -104,6 +110,7 @@ struct ScheduleFacts : torch::CustomClassHolder {
   std::vector<double> collective_costs;
   bool keep_for_backward = false;
   std::optional<std::vector<int64_t>> keep_candidates;
+  int64_t replicas = 1;
 
   ir::PipelineOptions options() const {
     SHARC_CHECK(collective_costs.empty() || collective_costs.size() == 4,
@@ -120,6 +127,8 @@ struct ScheduleFacts : torch::CustomClassHolder {
       o.reduce_cost = CollectiveCost{collective_costs[2], collective_costs[3]};
     }
     o.keep_for_backward = keep_for_backward;
+    SHARC_CHECK(replicas >= 1, "sharc: replicas must be at least 1, got ", replicas);
+    o.replicas = replicas;
     if (keep_candidates) {
       o.keep_candidates = std::set<int64_t>(keep_candidates->begin(), keep_candidates->end());
     }
@@ -204,6 +213,14 @@ int64_t peak_gathered_bytes(std::string ir_text) {
   return ir::peak_gathered(ir::parse(ir_text)).bytes;
 }
 
+int64_t inter_host_bytes(int64_t param_bytes, int64_t hosts, int64_t per_host, bool hybrid) {
+  return inter_host_bytes_per_step(param_bytes, hosts, per_host, hybrid);
+}
+
+double step_us(double compute_us, int64_t bytes, double link_bits_per_s) {
+  return predict_step_us(compute_us, bytes, link_bits_per_s);
+}
+
 std::tuple<double, double, double> predict(std::string ir_text,
                                            std::vector<double> collective_costs) {
   ScheduleFacts facts;
@@ -253,7 +270,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def_readwrite("budget_is_default", &ScheduleFacts::budget_is_default)
       .def_readwrite("collective_costs", &ScheduleFacts::collective_costs)
       .def_readwrite("keep_for_backward", &ScheduleFacts::keep_for_backward)
-      .def_readwrite("keep_candidates", &ScheduleFacts::keep_candidates);
+      .def_readwrite("keep_candidates", &ScheduleFacts::keep_candidates)
+      .def_readwrite("replicas", &ScheduleFacts::replicas);
   m.class_<Schedule>("Schedule")
       .def_readonly("ir", &Schedule::ir)
       .def_readonly("pipeline", &Schedule::pipeline)
@@ -278,6 +296,10 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
                    "The largest parameter an IR graph reads, in the dtype the pipeline "
                    "gathers it in",
                    {torch::arg("ir_text"), torch::arg("pipeline") = std::string()});
+  scheduler.def_static("inter_host_bytes", &sharc::inter_host_bytes,
+                       "Bytes a host sends to the other hosts per step (collective_cost.h)");
+  scheduler.def_static("predict_step_us", &sharc::step_us,
+                       "A step's time with the link between hosts as the bottleneck");
   def_static_named(scheduler, "predict", &sharc::predict,
                    "The timeline model's run of a schedule: (end_us, exposed_us, compute_us)",
                    {torch::arg("ir_text"),

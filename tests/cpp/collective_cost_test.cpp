@@ -40,4 +40,18 @@ TEST(CollectiveCost, RejectsBadSamples) {
 }
 
 }  // namespace
+TEST(InterHostBytes, FlatSendsGathersAndReductionsHybridOnlyTheAllReduce) {
+  const int64_t p = 1 << 20;
+  // 2 hosts x 2: two ring gathers of 3/4 p each, an all-to-all of 2 x 2/4 p.
+  EXPECT_EQ(inter_host_bytes_per_step(p, 2, 2, false), p * 3 / 2 + p);
+  // Hybrid: each rank all-reduces its half over 2 hosts, sending it once.
+  EXPECT_EQ(inter_host_bytes_per_step(p, 2, 2, true), p);
+  EXPECT_EQ(inter_host_bytes_per_step(p, 1, 4, false), 0);  // one host: nothing crosses
+  // More ranks per host: flat grows towards 3 p, hybrid stays at p.
+  EXPECT_GT(inter_host_bytes_per_step(p, 2, 8, false), inter_host_bytes_per_step(p, 2, 2, false));
+  EXPECT_EQ(inter_host_bytes_per_step(p, 2, 8, true), p);
+  EXPECT_THROW(inter_host_bytes_per_step(p, 0, 2, true), Error);
+  EXPECT_DOUBLE_EQ(predict_step_us(1000.0, 25'000'000, 200e6), 1000.0 + 1e6);
+}
+
 }  // namespace sharc

@@ -205,6 +205,7 @@ TEST(PassManager, PipelineNamesItsPassesInOrder) {
                                       "insert_gather_release", "bucket_allgathers",
                                       "prefetch_gathers", "insert_reduce_scatter",
                                       "prefetch_by_cost", "place_reduce_waits",
+                                      "insert_replicate_all_reduce",
                                       "mark_graph_prefetch", "annotate_collective_costs"}));
   PipelineOptions options;
   options.disabled_passes = {"prefetch_gathers"};

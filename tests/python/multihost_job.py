@@ -1,12 +1,14 @@
 """A job for the multi-host tests, run under torchrun (across the rig's
 simulated hosts or on one host): `multihost_job.py OUT [--steps N]
-[--compile] [--die-rank R --die-step S]`.
+[--compile] [--hybrid] [--die-rank R --die-step S]`.
 
 Trains the parity GPT sharded over the world for a few steps, each rank on
 its slice of the global batch, and rank 0 writes to OUT (torch.save): the
 losses (mean over ranks), the final full parameters, and for every rank its
 node rank, local rank and network namespace (/proc/self/ns/net), so a test
-can see where each rank really ran. With --die-rank, that rank kills itself
+can see where each rank really ran. With --hybrid the model is sharded on a
+(2, world / 2) mesh ("replicate", "shard"): sharded within each host,
+replicated across the two. With --die-rank, that rank kills itself
 with SIGKILL at --die-step (a crash: no exception, no goodbye). With
 --stall, every other rank writes OUT.stalled.RANK and sleeps instead of
 training, so no collective tells it that a peer died: only the rig can stop
@@ -43,7 +45,13 @@ def train(a) -> None:
         open(f"{a.out}.stalled.{rank}", "w").close()
         time.sleep(600)
     model = make_parity_model()
-    sharc.shard(model)
+    if a.hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sharc.shard(model, mesh=init_device_mesh("cpu", (2, world // 2),
+                                                 mesh_dim_names=("replicate", "shard")))
+    else:
+        sharc.shard(model)
     opt = make_optimizer(model.parameters())
     step_fn = torch.compile(model, backend="sharc") if a.compile else model
     losses = []
@@ -70,6 +78,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--hybrid", action="store_true")
     p.add_argument("--die-rank", type=int, default=-1)
     p.add_argument("--die-step", type=int, default=1)
     p.add_argument("--stall", action="store_true")

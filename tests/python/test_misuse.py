@@ -110,6 +110,12 @@ SHARD_CONFIG_CASES = [
     (dict(device=0), TypeError, "ShardConfig.device must be a torch.device, a device string"),
     (dict(device="gpu"), ValueError, "ShardConfig.device: "),
     (dict(device="meta"), ValueError, "cannot be 'meta'; leave it None or name a real device"),
+    (dict(replicate_groups=5), TypeError, "replicate_groups must be a tuple of tuples of global ranks"),
+    (dict(replicate_groups=(0, 2)), TypeError, "got the element 0"),
+    (dict(replicate_groups=((0, 2), (1, "3"))), TypeError, "ranks are ints >= 0, got '3'"),
+    (dict(replicate_groups=()), ValueError, "leave it None for flat sharding"),
+    (dict(replicate_groups=((0, 2), (1,))), ValueError, "must have the same size (one rank per host)"),
+    (dict(replicate_groups=((0, 2), (2, 1))), ValueError, "rank 2 is in more than one place"),
 ]
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from models import train_single
+from models import make_parity_model, train_single
 from sharc import multihost
 from sharc.multihost import EXIT_NO_NAMESPACES, preflight
 
@@ -64,6 +64,12 @@ def test_flat_zero3_across_two_hosts_equals_one_host(tmp_path):
     _check_two_hosts_equal_one(tmp_path, [])
 
 
+def test_hybrid_sharding_across_two_hosts_equals_one_host(tmp_path):
+    # A (2, 2) mesh on the rig: each host's ranks shard, the hosts replicate;
+    # only the gradient all-reduces cross between them.
+    _check_two_hosts_equal_one(tmp_path, ["--hybrid"])
+
+
 @pytest.mark.skipif(os.environ.get("SHARC_MULTIHOST_COMPILED") != "1",
                     reason="compiled across hosts takes about 70 s more here (two compiled "
                            "4-rank jobs); SHARC_MULTIHOST_COMPILED=1 runs it")
@@ -95,6 +101,12 @@ def _check_two_hosts_equal_one(tmp_path, job_args: list[str]) -> None:
     # and received at least the parameters' bytes (every step gathers each
     # parameter, half of it from the other host, in forward and backward).
     param_bytes = sum(v.numel() * v.element_size() for v in one["params"].values())
+    if "--hybrid" in job_args:
+        # Hybrid: each step all-reduces the trained parameters' gradient
+        # shards (half the model per rank, two ranks per host) across.
+        trained = make_parity_model()
+        param_bytes = sum(p.numel() * p.element_size() for p in trained.parameters()
+                          if p.requires_grad)
     links = json.loads(report.read_text())["links"]
     for link in links:
         assert link["tx_bytes"] > STEPS * param_bytes, links

@@ -22,6 +22,8 @@
 //   release @0 after %y                            free after the last use
 //   %r = reduce_scatter @0 @1 %dw0 %dw1            gradient reduction in flight (bucket)
 //   %s0, %s1 = wait_reduce %r                      shard gradients of @0 and @1
+//   %a = all_reduce %r                             hybrid sharding: the reduction's
+//                                                  shard sums over the replicate group
 //   prefetch_next @0 @1 after %y bytes=8192        the next graph's first gather
 //                                                  may start here (see below)
 //   output %y %s0 %s1
@@ -34,6 +36,13 @@
 // they leave the graph through the output, which reads them. The IR does not
 // model a shard's size (it depends on the world size), so a token and a shard
 // gradient have 0 bytes.
+//
+// Hybrid sharding (docs/design/hybrid-sharding.md): an all_reduce reads a
+// reduce_scatter's token (the reduction's collective must be done before
+// it starts, so it is issued once the reduce-scatter completed) and
+// defines a new token, the same reduction with its shard sums now being
+// summed over the replicate group; its one wait_reduce waits on that token
+// instead. Like a wait_reduce it names its reduction only.
 //
 // A prefetch_next marks where the next compiled graph's first gather may
 // start (cross-graph prefetch, sharc/core/graph_sequence.h). Its parameters
@@ -74,7 +83,8 @@
 namespace sharc::ir {
 
 enum class NodeKind {
-  Input, Compute, Gather, Wait, Release, ReduceScatter, WaitReduce, PrefetchNext, Output
+  Input, Compute, Gather, Wait, Release, ReduceScatter, WaitReduce, PrefetchNext, Output,
+  AllReduce
 };
 
 const char* to_string(NodeKind kind);
@@ -166,6 +176,9 @@ enum class Rule {
   GradientsReduced,    ///< every gradient is reduced exactly once
   /// every reduction is waited on, and the output reads every shard gradient
   ReductionsWaited,
+  /// hybrid sharding: every reduction is all-reduced over the replicate
+  /// group (one all_reduce of its token) before its wait_reduce
+  ReplicasReduced,
   /// the bytes gathered at once (memory.h) never exceed the memory budget
   /// (VerifyOptions::cap_gathered)
   WithinBudget,

@@ -116,6 +116,15 @@ std::unique_ptr<Pass> make_insert_reduce_scatter(int64_t bucket_bytes);
 /// Requires: gradients reduced. Establishes: reductions waited.
 std::unique_ptr<Pass> make_place_reduce_waits();
 
+/// Hybrid sharding over `replicas` > 1 replicate groups: an all_reduce of
+/// every reduction's token, placed where its wait_reduce was (right after
+/// the next reduction starts), and that wait moved on to right after the
+/// next all_reduce (the last one before the output), waiting on the
+/// all_reduce's token. With `replicas` <= 1 (flat sharding) it does nothing.
+/// Returns the all_reduces inserted.
+/// Requires: reductions waited. Establishes: replicas reduced.
+std::unique_ptr<Pass> make_insert_replicate_all_reduce(int64_t replicas);
+
 /// Cross-graph prefetch: marks, with `prefetch_next` nodes, where the
 /// runtime may start the next compiled graph's first gather: right after
 /// the last wait (the tail computation then hides it) and right after the

@@ -38,6 +38,9 @@ struct PipelineOptions {
   /// The parameters (IR ids) selective unsharding may keep: those the
   /// backward reads again; unset: every parameter the graph reads.
   std::optional<std::set<int64_t>> keep_candidates;
+  /// Hybrid sharding: the replicate group's size (1: flat sharding), for
+  /// insert_replicate_all_reduce.
+  int64_t replicas = 1;
 };
 
 /// The gather bucket cap when none is set: with a measured cost, the size at
@@ -73,7 +76,7 @@ PassManager build_pipeline(const PipelineSpec& pipeline);
 /// cast_before_gather, check_memory_budget, keep_gathered_params,
 /// insert_gather_release, bucket_allgathers, prefetch_gathers,
 /// insert_reduce_scatter, prefetch_by_cost, place_reduce_waits,
-/// mark_graph_prefetch, annotate_collective_costs.
+/// insert_replicate_all_reduce, mark_graph_prefetch, annotate_collective_costs.
 /// Its input rules are what the
 /// bridge's graphs satisfy (structural only); its final rules are a
 /// complete schedule's, within the memory budget when one is set.

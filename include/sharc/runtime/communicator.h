@@ -66,6 +66,9 @@ class Communicator {
 
   /// Non-blocking. Element-wise maximum of `t` over the group, in place.
   c10::intrusive_ptr<c10d::Work> all_reduce_max(at::Tensor& t);
+  /// Non-blocking. Element-wise sum of `t` over the group, in place (the
+  /// replicate group's gradient all-reduce; SUM for the reason above).
+  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& t);
 
  private:
   /// The group for one call; throws naming the group if it was destroyed.

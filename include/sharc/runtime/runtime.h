@@ -27,6 +27,7 @@
 #include "sharc/core/param_state.h"
 #include "sharc/runtime/gather_spec.h"
 #include "sharc/runtime/header_readback.h"
+#include "sharc/runtime/replicate_group.h"
 
 namespace sharc {
 
@@ -61,6 +62,14 @@ struct PendingReduction {
   std::vector<int64_t> widths;
   std::vector<c10::ScalarType> dtypes;  ///< each parameter's reduce dtype
   std::vector<bool> held;  ///< held back (no_sync, unit): no part in the collective
+  std::vector<int64_t> ids;  ///< the parameters served, in order
+  /// Hybrid sharding: whether the replicate step was taken (the all-reduce
+  /// started, or the sums held back by defer_replicate), and the
+  /// all-reduce's seq in the replicate group (-1: none in flight).
+  bool replicated = false;
+  int64_t replicate_seq = -1;
+  /// Replicas whose sum `out` holds (1 until the all-reduce delivered).
+  int64_t replicas = 1;
 };
 
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
@@ -93,6 +102,10 @@ struct ShardedParam {
     uint32_t version;
   };
   std::vector<HandedOut> handed_out;
+  /// Hybrid sharding, defer_replicate: the shard gradient sums (undivided,
+  /// then the non-finite flag's sum) reduce-scattered in the shard group
+  /// and not yet all-reduced over the replicate group.
+  at::Tensor unreplicated;
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
   bool deferred = false;
@@ -236,6 +249,23 @@ class Runtime : public torch::CustomClassHolder {
   /// size), in the order they were started. Throws sharc::Error for a token
   /// waited on already or never handed out.
   std::vector<at::Tensor> wait_reduce_scatter(int64_t token);
+
+  /// Hybrid sharding: sums shard gradients over `group_name` (the ranks
+  /// holding the same shards) after each reduce-scatter in this group.
+  /// Set once, before any reduction; every rank of both groups calls it.
+  void set_replicate_group(const std::string& group_name);
+  /// The replicate group's size (1 without hybrid sharding).
+  int64_t replicate_size();
+  /// Non-blocking beyond the reduce-scatter: waits the reduce-scatter of
+  /// `token` and starts its all-reduce over the replicate group (a no-op
+  /// without one, or when it was started already, or nothing was sent).
+  /// wait_reduce_scatter() waits it, starting it first if nobody did.
+  void start_replicate_all_reduce(int64_t token);
+  /// With replicate sync off (defer_replicate micro-batches), reductions
+  /// reduce-scatter in the shard group but skip the all-reduce: the shard
+  /// sums wait in a shard-sized buffer per parameter and a zero shard
+  /// gradient is returned; the next all-reduce with sync on adds them in.
+  void set_replicate_sync(bool sync);
 
   /// The compiled path's form of a reduction token: a one-element tensor
   /// (on the gradients' device, as compilers expect of an op's output)
@@ -421,6 +451,11 @@ class Runtime : public torch::CustomClassHolder {
   /// The gradient to reduce now: `grad` plus what no_sync held back.
   at::Tensor take_unreduced(ShardedParam& p, const at::Tensor& grad, c10::ScalarType dtype);
   void hold_unreduced(ShardedParam& p, const at::Tensor& grad);
+  /// The replicate step of a finished reduce-scatter: holds its sums back
+  /// (defer_replicate) or starts the all-reduce with what was held added.
+  void replicate_locked(PendingReduction& pending);
+  /// Waits the reduce-scatter of `token` (outside the lock) and settles it.
+  void finish_reduce_scatter(int64_t token);
   /// Starts the collective and returns its token.
   int64_t start_reduce_scatter_locked(const std::vector<int64_t>& ids,
                                       const std::vector<at::Tensor>& full_grads,
@@ -435,6 +470,10 @@ class Runtime : public torch::CustomClassHolder {
   bool gradient_sync_ = true;
   bool verify_schedule_ = false;
   CollectiveAgreement agreement_;
+  /// Hybrid sharding's replicate dimension (null: flat sharding).
+  std::unique_ptr<ReplicateGroup> replicate_;
+  bool replicate_sync_ = true;
+  int64_t unreplicated_bytes_ = 0;  ///< held by defer_replicate, now
   /// Collectives issued and not settled yet, by seq: gathers and reductions
   /// (by token).
   std::map<int64_t, std::weak_ptr<GatherInFlight>> unsettled_gathers_;

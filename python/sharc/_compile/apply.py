@@ -4,7 +4,8 @@ Walks the scheduled nodes in order and builds a new graph: compute nodes are
 copied from the original, and each communication node becomes the op of its
 name: gather / wait / release become sharc.start_gather / wait_gather /
 release, reduce_scatter / wait_reduce become sharc.start_reduce_scatter /
-wait_reduce_scatter, where the passes placed them, and prefetch_next
+wait_reduce_scatter, where the passes placed them, all_reduce (hybrid
+sharding) becomes sharc.start_replicate_all_reduce, and prefetch_next
 becomes sharc.prefetch_next_graph. The waited shard gradients replace the
 original per-parameter reductions at the graph output.
 A parameter that cast_before_gather narrowed is gathered in the narrow dtype
@@ -21,8 +22,8 @@ import torch
 
 from sharc._compile.lower import LoweredGraph, ParamSlot
 from sharc._compile.ops import (PREFETCH_NEXT_GRAPH, RELEASE, START_GATHER,
-                                START_REDUCE_SCATTER, WAIT_GATHER, WAIT_REDUCE_SCATTER,
-                                is_tensor)
+                                START_REDUCE_SCATTER, START_REPLICATE_ALL_REDUCE, WAIT_GATHER,
+                                WAIT_REDUCE_SCATTER, is_tensor)
 
 
 class _Rebuild:
@@ -135,6 +136,13 @@ class _Rebuild:
         grads = [self._value(o) for o in operands]
         self.by_value[outputs[0]] = self._call(START_REDUCE_SCATTER, (grads, group, pids))
         self.reducing[outputs[0]] = params
+
+    def _all_reduce(self, outputs, operands, params) -> None:  # it names its reduction only
+        reduced = self.reducing.pop(operands[0])
+        _, group, pids = self._slots(reduced)
+        self.by_value[outputs[0]] = self._call(START_REPLICATE_ALL_REDUCE,
+                                               (self._value(operands[0]), group, pids))
+        self.reducing[outputs[0]] = reduced
 
     def _wait_reduce(self, outputs, operands, params) -> None:  # it names its reduction only
         slots, group, pids = self._slots(self.reducing.pop(operands[0]))

@@ -16,6 +16,7 @@ RELEASE = torch.ops.sharc.release.default
 START_REDUCE_SCATTER = torch.ops.sharc.start_reduce_scatter.default
 WAIT_REDUCE_SCATTER = torch.ops.sharc.wait_reduce_scatter.default
 PREFETCH_NEXT_GRAPH = torch.ops.sharc.prefetch_next_graph.default
+START_REPLICATE_ALL_REDUCE = torch.ops.sharc.start_replicate_all_reduce.default
 ESCAPING_COPY = torch.ops.sharc.escaping_copy.default
 
 # Neither FX dead-code elimination nor Inductor's scheduler may drop these:
@@ -25,6 +26,7 @@ fx.node.has_side_effect(START_GATHER)
 fx.node.has_side_effect(RELEASE)
 fx.node.has_side_effect(START_REDUCE_SCATTER)
 fx.node.has_side_effect(PREFETCH_NEXT_GRAPH)
+fx.node.has_side_effect(START_REPLICATE_ALL_REDUCE)
 
 FORWARD_GRAPH, BACKWARD_GRAPH = 0, 1
 """The graph kinds the runtime orders compiled graphs by (cross-graph

@@ -77,6 +77,7 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
     facts.keep_for_backward = kind == "forward"
     facts.keep_candidates = [s.ir_id for s in lowered.slots.values()
                              if (s.group, s.pid) in read_in_backward]
+    facts.replicas = Runtime.for_group(group_name).replicate_size()  # hybrid sharding
     return facts
 
 
