@@ -36,7 +36,12 @@ int64_t ReplicateGroup::start(const std::vector<int64_t>& ids, const at::Tensor&
   SHARC_CHECK(!ids.empty() && payload.dim() == 1, "sharc: a replicate all-reduce needs "
               "parameters and a flat payload");
   // Settle what must be settled before planning, oldest first.
+  settle_arrived();
   while (auto seq = agreement_.unsettled_before_next()) {
+    if (arriving_.count(*seq)) {
+      settle_arriving(*seq);
+      continue;
+    }
     auto it = in_flight_.find(*seq);
     SHARC_CHECK(it != in_flight_.end(), "sharc: the replicate all-reduce numbered ", *seq,
                 " in group '", comm_.group_name(), "' was dropped before it completed");
@@ -91,10 +96,36 @@ void ReplicateGroup::settle(int64_t seq, InFlight& flight) {
     release_waited(flight.work);
     flight.work.reset();
   }
-  if (agreement_.settled(seq)) return;
+  if (agreement_.settled(seq) || arriving_.count(seq)) return;
   const int64_t bits = CollectiveHeader::kBits;
-  const Verdict verdict = agreement_.settle_bits(
-      seq, read_header_bits(flight.wire.narrow(0, flight.payload, bits)), comm_.world_size());
+  const at::Tensor sums = flight.wire.narrow(0, flight.payload, bits);
+  if (settle_on_arrival_.value_or(!sums.is_cpu())) {  // see header_readback.h
+    arriving_.emplace(seq, HeaderReadback(sums));
+    return;
+  }
+  judge(seq, read_header_bits(sums));
+}
+
+void ReplicateGroup::settle_arriving(int64_t seq) {
+  auto it = arriving_.find(seq);
+  if (it == arriving_.end()) return;
+  const at::Tensor host = it->second.host();  // waits if still on its way
+  arriving_.erase(it);
+  judge(seq, parse_header_bits(host));
+}
+
+void ReplicateGroup::settle_arrived() {
+  while (!arriving_.empty() && arriving_.begin()->second.arrived()) {
+    settle_arriving(arriving_.begin()->first);
+  }
+}
+
+void ReplicateGroup::settle_all() {
+  while (!arriving_.empty()) settle_arriving(arriving_.begin()->first);
+}
+
+void ReplicateGroup::judge(int64_t seq, const std::vector<int64_t>& sums) {
+  const Verdict verdict = agreement_.settle_bits(seq, sums, comm_.world_size());
   if (verdict.kind != Verdict::kAgree) {
     diverged(detail::concat("rank ", comm_.rank(), " of replicate group '", comm_.group_name(),
                             "' all-reduced gradients unlike its replicas (the hosts reduced "

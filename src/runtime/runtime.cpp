@@ -744,6 +744,7 @@ void Runtime::set_replicate_group(const std::string& group_name) {
               "has one replicate group for its life");
   SHARC_CHECK(reductions_.empty(), "sharc: set the replicate group before any reduction");
   replicate_ = std::make_unique<ReplicateGroup>(group_name);
+  replicate_->set_settle_on_arrival(settle_on_arrival_);
 }
 
 int64_t Runtime::replicate_size() {

@@ -101,6 +101,7 @@ void Runtime::settle_reduction_locked(const PendingReduction& pending) {
 void Runtime::set_settle_on_arrival(bool on_arrival) {
   std::lock_guard<std::mutex> lock(mutex_);
   settle_on_arrival_ = on_arrival;
+  if (replicate_) replicate_->set_settle_on_arrival(on_arrival);
 }
 
 bool Runtime::settles_on_arrival(const at::Tensor& wire) const {
@@ -143,6 +144,7 @@ void Runtime::settle_all() {
 
 void Runtime::settle_all_locked() {
   while (!arriving_.empty()) settle_arriving_locked(arriving_.begin()->first);
+  if (replicate_) replicate_->settle_all();
 }
 
 void Runtime::settle_read_locked(int64_t seq, const at::Tensor& wire) {

@@ -36,11 +36,14 @@ def _shard_hybrid(model, how):
     return sharc.shard(model, config=sharc.ShardConfig(replicate_groups=((0, 2), (1, 3))))
 
 
-def _train_hybrid(rank, world, how, compile_options):
+def _train_hybrid(rank, world, how, compile_options, on_arrival=False):
     import sharc
+    from sharc.api import sharded_root
 
     model = make_parity_model()
     _shard_hybrid(model, how)
+    if on_arrival:  # a device's way of settling (header_readback.h), forced here
+        sharded_root(model).runtime.set_settle_on_arrival(True)
     step_fn = model
     if compile_options is not None:
         step_fn = torch.compile(model, backend="sharc", options=compile_options)
@@ -88,6 +91,12 @@ def test_hybrid_eager_matches_single_process(how):
         assert stats["shard_bytes"] == want
         assert stats["replicate_size"] == HOSTS
         assert stats["all_reduce_calls"] > 0 and stats["all_reduce_bytes"] > 0
+
+
+def test_hybrid_settled_on_arrival_matches_single_process():
+    """Headers of the reduce-scatters and the replicate all-reduces read back
+    on arrival, as on a GPU: the same training."""
+    _check_matches_single(run_ranks(_train_hybrid, WORLD, "mesh", None, True))
 
 
 def test_hybrid_compiled_matches_single_process():
@@ -384,3 +393,27 @@ def test_hosts_that_diverge_raise_instead_of_hanging(verify):
         assert "the hosts diverged" in error, error
         if verify:
             assert "is about to all-reduce" in error, error
+
+
+def _hosts_diverge_on_arrival(rank, world):
+    import sharc
+    from sharc.api import sharded_root
+
+    torch.manual_seed(0)
+    model = _TwoPaths()
+    sharc.shard(model, mesh=_mesh())
+    runtime = sharded_root(model).runtime
+    runtime.set_settle_on_arrival(True)
+    try:
+        for step in range(3):
+            model(torch.randn(2, 4), step == 2 and rank >= PER_HOST).backward()
+        runtime.settle_all()  # what a checkpoint save does first
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_hosts_that_diverge_raise_when_settled_on_arrival():
+    for rank, error in enumerate(run_ranks(_hosts_diverge_on_arrival, WORLD, timeout=120)):
+        assert error is not None, f"rank {rank} did not raise"
+        assert "the hosts diverged" in error, error

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 
 #include "sharc/core/collective_agreement.h"
 #include "sharc/runtime/communicator.h"
+#include "sharc/runtime/header_readback.h"
 
 namespace sharc {
 
@@ -46,6 +48,13 @@ class ReplicateGroup {
   /// diverged. Returns the summed payload and forgets the collective.
   at::Tensor finish(int64_t seq);
 
+  /// Where an all-reduce is settled, as Runtime::set_settle_on_arrival
+  /// says for the shard group: at its finish, or once its headers arrive
+  /// on the host (unset: on a device only).
+  void set_settle_on_arrival(std::optional<bool> on_arrival) { settle_on_arrival_ = on_arrival; }
+  /// Settles every finished all-reduce, waiting for headers on their way.
+  void settle_all();
+
   int64_t sent_bytes() const { return sent_bytes_; }
   int64_t header_bytes() const { return header_bytes_; }
   int64_t calls() const { return calls_; }
@@ -62,8 +71,14 @@ class ReplicateGroup {
     at::Tensor wire;  ///< payload, then the header's bits (summed over replicas)
     int64_t payload = 0;
   };
-  /// Settles collective `seq` from the bit sums in its wire.
+  /// Waits for collective `seq` and settles it from the bit sums in its
+  /// wire, or starts reading them back (settled on arrival).
   void settle(int64_t seq, InFlight& flight);
+  /// Settles `seq` from its bit sums on their way to the host, if they are.
+  void settle_arriving(int64_t seq);
+  /// Settles, in order, the all-reduces whose headers have arrived.
+  void settle_arrived();
+  void judge(int64_t seq, const std::vector<int64_t>& sums);
   void exchange_headers(const CollectiveHeader& mine, c10::Device device);
   void send_decoy(const CollectiveAgreement::Issue& issue, c10::Device device);
   [[noreturn]] void diverged(const std::string& detail);
@@ -71,6 +86,8 @@ class ReplicateGroup {
   Communicator comm_;
   CollectiveAgreement agreement_;
   std::map<int64_t, InFlight> in_flight_;
+  std::map<int64_t, HeaderReadback> arriving_;  ///< finished, headers on their way
+  std::optional<bool> settle_on_arrival_;
   std::string diverged_;
   int64_t sent_bytes_ = 0, header_bytes_ = 0, calls_ = 0;
 };
