@@ -47,7 +47,7 @@ import sharc
 from _common import (LARGE_MODEL, MODEL, Competitor, adamw, fresh_model, markdown,
                      median_step_s, profiled_step, resident_bytes, step_peak_bytes, time_rounds,
                      warm_up, write_results)
-from _models import BrokenConfig, EncoderConfig
+from _models import BrokenConfig, EncoderConfig, SwitchConfig
 from sharc.data import CharDataset
 from sharc.launch import launch
 
@@ -55,9 +55,10 @@ COMPETITORS = ["floor", "sharc compiled", "sharc compiled, profiling off",
                "sharc compiled, DDP's memory", "sharc eager", "FSDP2 eager", "FSDP2 compiled",
                "DDP eager", "DDP compiled"]
 SIZES = {"small": MODEL, "large": LARGE_MODEL, "bert": EncoderConfig(),
-         "broken": BrokenConfig(vocab_size=65, block_size=128, n_layer=6, n_head=4, n_embd=128)}
+         "broken": BrokenConfig(vocab_size=65, block_size=128, n_layer=6, n_head=4, n_embd=128),
+         "switch": SwitchConfig()}
 # The small real-model cases run fewer competitors.
-SMALL_CASES = {"bert", "broken"}
+SMALL_CASES = {"bert", "broken", "switch"}
 SMALL_CASE_COMPETITORS = ["floor", "sharc compiled", "sharc eager", "DDP compiled"]
 # The targets, as (sharc row, the row it is held to, figure, bound on the
 # ratio, the models it applies to).
@@ -81,7 +82,9 @@ def _build(name: str, size) -> Competitor:
         return Competitor(name, model, torch.compile(model), adamw(model))
     if name.startswith("sharc"):
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        sharc.shard(model, dist.new_group())  # a runtime (and counters) of its own
+        units = getattr(model, "gather_units", ())  # SwitchLM's experts: one unit per MLP
+        sharc.shard(model, dist.new_group(),  # a runtime (and counters) of its own
+                    config=sharc.ShardConfig(gather_units=units))
         step_fn = model
         if name == "sharc compiled":
             step_fn = torch.compile(model, backend="sharc")
@@ -98,7 +101,9 @@ def _build(name: str, size) -> Competitor:
         fully_shard(model)
         step_fn = torch.compile(model) if name == "FSDP2 compiled" else model
     else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        # SwitchLM's routing leaves experts unused on a step.
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=hasattr(model, "gather_units"))
         step_fn = torch.compile(model) if name == "DDP compiled" else model
     return Competitor(name, model, step_fn, adamw(model))
 
@@ -234,7 +239,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=COMPETITORS,
-                        help="run only these competitors (sharc compiled always runs)")
+                        help="run only these competitors (sharc compiled always runs); "
+                        "Inductor writes the word after --only into its generated code as a "
+                        "quoted string, so do not put a name with an apostrophe first")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     launch(_rank_main, args.nproc, args=(args,))
