@@ -26,7 +26,9 @@ so no competitor's compiler changes how another's model runs.
 
 Peak memory per rank is exact byte accounting, in two parts:
   resident: bytes of the parameters, gradients and optimizer state this rank
-            holds between steps (tensor storages, each counted once);
+            holds between steps (tensor storages, each counted once), and
+            for sharc the parameters its schedule keeps gathered between
+            steps (kept_gathered_bytes);
   step:     the highest level the CPU allocator reached above that during one
             training step (torch.profiler's memory events, summed in order).
 DDP's internal gradient buckets are allocated at construction and not seen
@@ -152,9 +154,14 @@ def _run_phase(names, results, batch, args, config) -> None:
             waited_ns = stats["gather_wait_ns"] + stats["reduce_wait_ns"]
             results[c.name].update(peak_gathered_bytes=stats["peak_gathered_bytes"],
                                    exposed_comm_s=waited_ns / 1e9 / steps)
+        # Parameters the schedule keeps gathered stay so between steps: the
+        # runtime's buffers, which neither the parameters nor the allocator
+        # level during a step (they were allocated before it) show.
+        kept = (sharc.memory_stats(sharc.api.sharded_root(c.model).group)["kept_gathered_bytes"]
+                if c.name.startswith("sharc") else 0)
         results[c.name].update(
             step_s=median_step_s(times[c.name]),
-            resident_bytes=resident_bytes(c),
+            resident_bytes=resident_bytes(c) + kept,
             step_peak_bytes=step_peak_bytes(profiled_step(c, *batch(0))))
 
 
