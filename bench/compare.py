@@ -9,7 +9,9 @@ and trains its own copy of the same model (same initial weights, same
 batches) with AdamW. The models: the GPT "small", 4 layers 256 wide, and
 "large", 12 layers 512 wide (11.8x the parameters); "bert", a 2-layer
 BERT-like encoder; "broken", a 6-layer GPT with two graph breaks per block
-(12 in all). The floor is what data parallelism cannot beat: each rank
+(12 in all); "switch", a small HF SwitchTransformers encoder-decoder whose
+routing breaks Dynamo's graph dozens of times (its sparse MLPs sharc
+gather units, DDP finding unused experts). The floor is what data parallelism cannot beat: each rank
 trains the plain compiled model (torch.compile, Inductor) on its own slice
 with its own AdamW, all ranks at once, no process group touched; every
 row's `to_floor` is its step time over the floor's. sharc compiled also

@@ -55,14 +55,17 @@ def test_peak_gathered_bytes_below_three_blocks(compiled):
 
 def test_default_budget_keeps_the_model_gathered_when_the_host_has_room():
     """The CPU default budget is an eighth of the host's free memory (far
-    above this 1.6 MB model): every parameter stays gathered from forward to
-    backward, so the backward gathers nothing; the lean rule gathers again."""
+    above this 1.6 MB model): every parameter the backward reads stays
+    gathered from forward to backward (the others, embeddings and biases,
+    gain nothing by it), so the backward gathers nothing; the lean rule
+    keeps less than a block and gathers again."""
     lean = {"memory_budget_rule": "largest_param"}
-    for (_, model_bytes, roomy), (_, _, leaner) in zip(run_ranks(_step_peak, 2, True),
-                                                       run_ranks(_step_peak, 2, True, lean)):
+    for (block_bytes, model_bytes, roomy), (_, _, leaner) in zip(
+            run_ranks(_step_peak, 2, True), run_ranks(_step_peak, 2, True, lean)):
         after_forward, after_step = roomy[1]  # the second step: a repeating schedule
-        assert after_step["kept_gathered_bytes"] == model_bytes
+        assert 0.9 * model_bytes < after_step["kept_gathered_bytes"] < model_bytes
         # One gather per parameter per step: the forward's, nothing after it.
         assert after_step["allgather_bytes"] == after_forward["allgather_bytes"]
         lean_forward, lean_step = leaner[1]
+        assert lean_step["kept_gathered_bytes"] < block_bytes
         assert lean_step["allgather_bytes"] > lean_forward["allgather_bytes"]
