@@ -54,7 +54,7 @@ def test_warns_once_with_figures_on_a_graph_broken_model_only(breaks):
             continue
         assert len(messages) == 1, messages  # once, not per graph nor per step
         message = messages[0]
-        assert "into 3 compiled graphs" in message, message
+        assert "into at least 3 compiled graphs" in message, message
         # The measured figures: the group's collective latencies and the
         # latency floor they put on a step.
         assert "us latency per all-gather" in message and "ms per step" in message, message

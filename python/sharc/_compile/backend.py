@@ -14,12 +14,10 @@ import functools
 import torch
 import torch.fx as fx
 
-from sharc._compile.graph_breaks import note_compiled_graph
 from sharc._compile.in_place_writes import refuse_writes_to_gathered
 from sharc._compile.pass_order import gathered_group, in_pass_order
 from sharc._compile.recompute import RecomputeGathers, prepare_joint_graph
 from sharc._compile.schedule import schedule_graph
-from sharc._library import Runtime
 from sharc.config import CompileConfig
 
 
@@ -61,8 +59,7 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
-    _note_graph(forward_groups, config)
-    return in_pass_order(compiled, forward_groups)
+    return in_pass_order(compiled, forward_groups, config)
 
 
 def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
@@ -90,14 +87,8 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
                            partition_fn=partition, keep_inference_input_mutations=True)
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = backend(gm, example_inputs)
-    _note_graph(forward_groups, config)
-    return in_pass_order(compiled, forward_groups)
+    return in_pass_order(compiled, forward_groups, config)
 
-
-def _note_graph(groups: list[str], config: CompileConfig) -> None:
-    """Counts a graph that gathers toward the many-graphs warning."""
-    if groups:
-        note_compiled_graph(groups[0], config, Runtime.for_group(groups[0]))
 
 
 @functools.cache

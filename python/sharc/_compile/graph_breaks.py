@@ -10,16 +10,22 @@ its size, plus Dynamo's guards and the Python between graphs. A step split
 into many small graphs can then be slower compiled than eager (measured
 in bench/results/compare_switch.md: a SwitchTransformers model).
 
-Graphs are counted by Dynamo frame: a graph break resumes in a frame of
-its own, while a recompile of a frame (a guard failed) replaces a graph
-rather than adding one, so it is not counted. The count is the same on
-every rank that runs the same code; the warning issues no collective.
+Graphs are counted as they run, per forward pass, by the rule the runtime
+uses for cross-graph prefetch (_compile/pass_order.py): a compiled forward
+graph continues the pass when it reads a tensor the previous one returned.
+Counting at compile time would miss most graphs: the blocks of a model
+share their code, so one compiled graph (and its resume functions after a
+break) serves every block. Every rank counts alike from the same
+dataflow; the warning issues no collective. Counting stops once it has
+warned or after a few passes, so a step pays nothing for it after that.
 """
 
 from __future__ import annotations
 
-import itertools
 import warnings
+import weakref
+
+import torch
 
 from sharc.config import CompileConfig
 
@@ -28,42 +34,53 @@ class ManyGraphsWarning(UserWarning):
     """Graph breaks split a sharded model's step into many compiled graphs."""
 
 
-class _GroupGraphs:
-    """The Dynamo frames compiled with gathers from one group, and whether
-    the warning was given."""
-
-    def __init__(self):
-        self.frames: set[int] = set()
-        self.warned = False
+_PASSES_WATCHED = 3  # forward passes counted before counting stops
 
 
-_GROUPS: dict[str, _GroupGraphs] = {}
-_OUTSIDE_DYNAMO = itertools.count(-1, -1)  # ids for graphs compiled outside a Dynamo frame
+class GraphCounter:
+    """Compiled forward graphs per forward pass of one group, until it has
+    warned or watched _PASSES_WATCHED passes."""
+
+    def __init__(self, config: CompileConfig, runtime):
+        self.config = config
+        self.runtime = runtime
+        self.active = config.warn_graphs is not None
+        self.passes = 0
+        self.graphs = 0  # in the current pass
+        self.returned: list[weakref.ref] = []  # the last graph's outputs
+
+    def ran(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """A compiled forward graph read `inputs` and returned `outputs`."""
+        continues = any(ref() is t for ref in self.returned for t in inputs)
+        self.returned = [weakref.ref(t) for t in outputs]
+        if continues:
+            self.graphs += 1
+        else:
+            self.passes += 1
+            self.graphs = 1
+            if self.passes > _PASSES_WATCHED:
+                self.active = False
+                return
+        if self.graphs >= self.config.warn_graphs:
+            self.active = False
+            warnings.warn(_message(self.graphs, self.config, self.runtime), ManyGraphsWarning,
+                          stacklevel=3)
 
 
-def note_compiled_graph(group_name: str, config: CompileConfig, runtime) -> None:
-    """Counts the graph being compiled (it gathers from `group_name`) and
-    warns once when the group's graphs reach config.warn_graphs."""
-    state = _GROUPS.setdefault(group_name, _GroupGraphs())
-    state.frames.add(_frame_id())
-    threshold = config.warn_graphs
-    if state.warned or threshold is None or len(state.frames) < threshold:
-        return
-    state.warned = True
-    warnings.warn(_message(len(state.frames), config, runtime), ManyGraphsWarning, stacklevel=2)
+_COUNTERS: dict[str, GraphCounter] = {}
 
 
-def _frame_id() -> int:
-    from torch._guards import CompileContext
-
-    compile_id = CompileContext.current_compile_id()
-    # Outside Dynamo (a backend called by hand): each call its own graph.
-    return compile_id.frame_id if compile_id is not None else next(_OUTSIDE_DYNAMO)
+def counter_for(group_name: str, config: CompileConfig, runtime) -> GraphCounter:
+    """The group's counter (the first compile's config sets the threshold)."""
+    if group_name not in _COUNTERS:
+        _COUNTERS[group_name] = GraphCounter(config, runtime)
+    return _COUNTERS[group_name]
 
 
 def _message(graphs: int, config: CompileConfig, runtime) -> str:
-    head = (f"sharc: graph breaks split this model's step into {graphs} compiled graphs "
-            f"that read sharded parameters. Each graph gathers and reduces on its own: "
+    head = (f"sharc: graph breaks split this model's forward pass into at least {graphs} "
+            f"compiled graphs that read sharded parameters (its backward into as many). Each "
+            f"graph gathers and reduces on its own: "
             f"per step at least one all-gather in forward, one in backward (unless its "
             f"parameters stay gathered) and one reduce-scatter")
     if config.profile:  # measured at the group's first compile (cached: no collective here)
