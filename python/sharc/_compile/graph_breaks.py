@@ -85,7 +85,7 @@ def _message(graphs: int, config: CompileConfig, runtime) -> str:
             f"parameters stay gathered) and one reduce-scatter")
     if config.profile:  # measured at the group's first compile (cached: no collective here)
         ag_us, _, rs_us, _ = runtime.collective_costs()
-        floor_ms = graphs * (2 * ag_us + rs_us) / 1e3
+        floor_ms = graphs * (ag_us + rs_us) / 1e3  # the backward gather may be kept away
         head += (f", measured at {ag_us:.0f} us latency per all-gather and {rs_us:.0f} us per "
                  f"reduce-scatter: at least {floor_ms:.1f} ms per step in collective latency "
                  f"alone")
