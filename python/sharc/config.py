@@ -127,14 +127,18 @@ class CompileConfig:
     graph needs at least is an error naming that smallest budget. None: the
     default rule (memory_budget_rule), never below what the graph needs."""
 
-    memory_budget_rule: str = "free_memory"
+    memory_budget_rule: str = "auto"
     """How the default budget (memory_budget_bytes None) is chosen:
     "free_memory", an eighth of the memory free on the emptiest rank at the
     group's first compile (the device's on CUDA, the host's elsewhere), so
     that with room parameters stay gathered from forward to backward;
     "largest_param", four times the largest parameter the graph reads (in
-    the dtype it is gathered in), the leanest default. Either is raised to
-    what a graph needs at least."""
+    the dtype it is gathered in), the leanest default; "auto", the first on
+    a CUDA device and the second elsewhere (on the benchmark's CPU hosts
+    the host-memory budget saved 23% of a step on a latency-bound
+    mixture-of-experts model but was slower on the GPT in 2 of 3 runs:
+    bench/results/floor_targets.md). Either is raised to what a graph needs
+    at least."""
 
     warn_graphs: int | None = 10
     """Warn once (sharc.ManyGraphsWarning) when graph breaks split a sharded
@@ -185,9 +189,9 @@ class CompileConfig:
                                              self.warn_graphs < 1):
             raise ValueError("CompileConfig.warn_graphs must be an int >= 1 or None, got "
                              f"{self.warn_graphs!r}")
-        if self.memory_budget_rule not in ("free_memory", "largest_param"):
-            raise ValueError("CompileConfig.memory_budget_rule must be 'free_memory' or "
-                             f"'largest_param', got {self.memory_budget_rule!r}")
+        if self.memory_budget_rule not in ("auto", "free_memory", "largest_param"):
+            raise ValueError("CompileConfig.memory_budget_rule must be 'auto', 'free_memory' "
+                             f"or 'largest_param', got {self.memory_budget_rule!r}")
         if not isinstance(self.profile, bool):
             raise TypeError(f"CompileConfig.profile must be a bool, got {self.profile!r}")
         for name in ("gather_bucket_bytes", "reduce_bucket_bytes", "memory_budget_bytes"):

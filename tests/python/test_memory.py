@@ -1,8 +1,8 @@
 """Nothing full-size survives from forward to backward, and the peak of
 gathered bytes during a training step of an 8-block transformer stays below
 three blocks' parameters on every rank, in eager mode and compiled with the
-"sharc" backend under the lean default budget; the host-memory default
-keeps parameters gathered instead when the host has room."""
+"sharc" backend under the lean budget (the CPU default); the host-memory
+budget keeps parameters gathered instead when the host has room."""
 
 import pytest
 import torch
@@ -36,8 +36,8 @@ def _step_peak(rank, world, compiled, options=None):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_peak_gathered_bytes_below_three_blocks(compiled):
-    # The bound holds for the lean budget, which this pins (the default rule
-    # keeps every parameter gathered when the host has room: below).
+    # The bound holds for the lean budget, which this pins (named, not left
+    # to the default; the host-memory rule keeps every parameter: below).
     lean = {"memory_budget_rule": "largest_param"}
     for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2, compiled, lean):
         for after_forward, after_step in stats:
@@ -53,15 +53,16 @@ def test_peak_gathered_bytes_below_three_blocks(compiled):
             assert after_step["allgather_bytes"] > 0
 
 
-def test_default_budget_keeps_the_model_gathered_when_the_host_has_room():
-    """The CPU default budget is an eighth of the host's free memory (far
-    above this 1.6 MB model): every parameter the backward reads stays
+def test_host_memory_budget_keeps_the_model_gathered_when_the_host_has_room():
+    """memory_budget_rule="free_memory" on a CPU: an eighth of the host's
+    free memory (far above this 1.6 MB model), every parameter the backward reads stays
     gathered from forward to backward (the others, embeddings and biases,
     gain nothing by it), so the backward gathers nothing; the lean rule
     keeps less than a block and gathers again."""
     lean = {"memory_budget_rule": "largest_param"}
+    host = {"memory_budget_rule": "free_memory"}
     for (block_bytes, model_bytes, roomy), (_, _, leaner) in zip(
-            run_ranks(_step_peak, 2, True), run_ranks(_step_peak, 2, True, lean)):
+            run_ranks(_step_peak, 2, True, host), run_ranks(_step_peak, 2, True, lean)):
         after_forward, after_step = roomy[1]  # the second step: a repeating schedule
         assert 0.9 * model_bytes < after_step["kept_gathered_bytes"] < model_bytes
         # One gather per parameter per step: the forward's, nothing after it.

@@ -81,7 +81,8 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
 
 
 def default_budget(lowered, group_name: str, config: CompileConfig) -> int:
-    """CompileConfig.memory_budget_bytes' default, by memory_budget_rule:
+    """CompileConfig.memory_budget_bytes' default, by memory_budget_rule
+    ("auto": "free_memory" for a CUDA parameter, "largest_param" for others):
     "free_memory", an eighth of the memory free on the emptiest rank at the
     group's first compile (the CUDA device's, or the host's for a CPU
     parameter: with room, the schedule keeps parameters gathered from
@@ -93,11 +94,14 @@ def default_budget(lowered, group_name: str, config: CompileConfig) -> int:
     what the graph needs at least. Every rank must get the same budget, or
     they keep different parameters and issue different collectives: free
     memory is agreed over the group (its least), once."""
-    if config.memory_budget_rule == "largest_param":
-        return 4 * torch.classes.sharc.Scheduler.largest_gathered_param_bytes(
-            lowered.text, config.pipeline_text())
     slot = next(iter(lowered.slots.values()))
     device = slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
+    rule = config.memory_budget_rule
+    if rule == "auto":
+        rule = "free_memory" if device.type == "cuda" else "largest_param"
+    if rule == "largest_param":
+        return 4 * torch.classes.sharc.Scheduler.largest_gathered_param_bytes(
+            lowered.text, config.pipeline_text())
     return _agreed_free_bytes(group_name, device) // 8
 
 
