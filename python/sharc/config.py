@@ -134,9 +134,9 @@ class CompileConfig:
     that with room parameters stay gathered from forward to backward;
     "largest_param", four times the largest parameter the graph reads (in
     the dtype it is gathered in), the leanest default; "auto", the first on
-    a CUDA device and the second elsewhere (on the benchmark's CPU hosts
+    a CUDA device and the second elsewhere (on the benchmark's CPU host
     the host-memory budget saved 23% of a step on a latency-bound
-    mixture-of-experts model but was slower on the GPT in 2 of 3 runs:
+    mixture-of-experts model but ranged from 0.75x to 1.43x on the GPT:
     bench/results/floor_targets.md). Either is raised to what a graph needs
     at least."""
 
