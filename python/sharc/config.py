@@ -127,17 +127,19 @@ class CompileConfig:
     graph needs at least is an error naming that smallest budget. None: the
     default rule (memory_budget_rule), never below what the graph needs."""
 
-    memory_budget_rule: str = "auto"
+    memory_budget_rule: str = "free_memory"
     """How the default budget (memory_budget_bytes None) is chosen:
     "free_memory", an eighth of the memory free on the emptiest rank at the
     group's first compile (the device's on CUDA, the host's elsewhere), so
     that with room parameters stay gathered from forward to backward;
     "largest_param", four times the largest parameter the graph reads (in
     the dtype it is gathered in), the leanest default; "auto", the first on
-    a CUDA device and the second elsewhere (on the benchmark's CPU host
-    the host-memory budget saved 23% of a step on a latency-bound
-    mixture-of-experts model but ranged from 0.75x to 1.43x on the GPT:
-    bench/results/floor_targets.md). Either is raised to what a graph needs
+    a CUDA device and the second elsewhere (the defaults before the host's
+    memory was read). On the benchmark's CPU host the host-memory budget
+    made a graph-broken mixture-of-experts model 0.49x-0.77x the lean
+    rule's step (compiled 0.63x-0.98x eager, where the lean rule was 1.30x
+    eager in 2 of 3 runs), and the GPT 0.75x-1.43x, at a higher peak:
+    bench/results/floor_targets.md. Either is raised to what a graph needs
     at least."""
 
     warn_graphs: int | None = 10

@@ -1,8 +1,8 @@
 """Nothing full-size survives from forward to backward, and the peak of
 gathered bytes during a training step of an 8-block transformer stays below
 three blocks' parameters on every rank, in eager mode and compiled with the
-"sharc" backend under the lean budget (the CPU default); the host-memory
-budget keeps parameters gathered instead when the host has room."""
+"sharc" backend under the lean budget; the host-memory budget (the
+default) keeps parameters gathered instead when the host has room."""
 
 import pytest
 import torch

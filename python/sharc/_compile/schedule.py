@@ -82,7 +82,8 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
 
 def default_budget(lowered, group_name: str, config: CompileConfig) -> int:
     """CompileConfig.memory_budget_bytes' default, by memory_budget_rule
-    ("auto": "free_memory" for a CUDA parameter, "largest_param" for others):
+    ("auto": "free_memory" for a CUDA parameter, "largest_param" for others,
+    the rules before the host's memory was read):
     "free_memory", an eighth of the memory free on the emptiest rank at the
     group's first compile (the CUDA device's, or the host's for a CPU
     parameter: with room, the schedule keeps parameters gathered from
