@@ -47,8 +47,11 @@ class Competitor:
 def build_model(config) -> torch.nn.Module:
     """The benchmark model a config describes: the GPT, the BERT-like
     encoder, or the GPT with graph breaks in every block."""
-    from _models import BertLikeEncoder, EncoderConfig, GraphBrokenGPT, BrokenConfig
+    from _models import (BertLikeEncoder, BrokenConfig, EncoderConfig, GraphBrokenGPT, SwitchConfig,
+                         SwitchLM)
 
+    if isinstance(config, SwitchConfig):
+        return SwitchLM(config)
     if isinstance(config, EncoderConfig):
         return BertLikeEncoder(config)
     if isinstance(config, BrokenConfig):
@@ -118,6 +121,7 @@ def warm_up(names: list[str], build: Callable[[str], Competitor], batch, warmup:
             for s in range(warmup):
                 train_step(c, *batch(s))
         except Exception:  # noqa: BLE001  (a competitor that cannot run is reported)
+            traceback.print_exc()  # the table keeps one line of it
             results[name] = {"error": traceback.format_exc().strip().splitlines()[-1][:160]}
             continue
         results[name] = {"warmup_s": time.perf_counter() - start, "losses": list(c.losses)}

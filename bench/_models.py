@@ -69,3 +69,38 @@ class GraphBrokenGPT(GPT):
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(BrokenBlock(cfg) for _ in range(cfg.n_layer))
         self.apply(self._init_weights)
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    """A small HF SwitchTransformers encoder-decoder (mixture of experts,
+    its routing data-dependent, so Dynamo breaks its graph many times)."""
+    vocab_size: int = 65
+    block_size: int = 64
+    d_model: int = 64
+    n_layer: int = 2
+    n_experts: int = 4
+
+
+class SwitchLM(nn.Module):
+    """SwitchTransformersForConditionalGeneration trained to copy its input
+    (tokens in, the same tokens as labels), called like the GPT. Its sparse
+    MLPs are sharc gather units: routing picks different experts per rank."""
+
+    gather_units = ("*.mlp",)
+
+    def __init__(self, cfg: SwitchConfig):
+        super().__init__()
+        from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+        self.config = cfg
+        hf = SwitchTransformersConfig(
+            vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_model // 4,
+            d_ff=2 * cfg.d_model, num_layers=cfg.n_layer, num_decoder_layers=cfg.n_layer,
+            num_heads=4, num_experts=cfg.n_experts, expert_capacity=cfg.block_size,
+            encoder_sparse_step=1, decoder_sparse_step=1, router_jitter_noise=0.0,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        self.model = SwitchTransformersForConditionalGeneration(hf)
+
+    def forward(self, idx, targets):
+        return self.model(input_ids=idx, labels=targets).loss

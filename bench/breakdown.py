@@ -59,7 +59,8 @@ def _measure(size: str, args) -> None:
     dump = tempfile.mkdtemp(prefix=f"sharc_breakdown_{size}_")
     model = fresh_model(config)
     group = dist.new_group()
-    sharc.shard(model, group)
+    sharc.shard(model, group, config=sharc.ShardConfig(
+        gather_units=getattr(model, "gather_units", ())))  # SwitchLM's experts
     step_fn = torch.compile(model, backend="sharc", options={"dump_ir": dump})
     opt = adamw(model)
 

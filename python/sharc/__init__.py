@@ -2,6 +2,7 @@
 
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
+from sharc._compile.graph_breaks import ManyGraphsWarning
 from sharc.api import memory_stats, no_sync, reset_memory_stats, shard
 from sharc.clip import clip_grad_norm_
 from sharc.checkpoint import get_state_dict, set_state_dict
@@ -16,6 +17,7 @@ _compile.register()  # torch.compile(model, backend="sharc")
 
 __all__ = [
     "CompileConfig",
+    "ManyGraphsWarning",
     "MixedPrecision",
     "ShardConfig",
     "clip_grad_norm_",

@@ -141,10 +141,29 @@ class CompileConfig:
     once (kept parameters, buffers in use, prefetched buckets and their
     staging), checked by the scheduler's verifier; a budget below what a
     graph needs at least is an error naming that smallest budget. None: the
-    default rule, on a CUDA device an eighth of the device memory free at
-    compile time, elsewhere four times the largest parameter the graph
-    reads (in the dtype it is gathered in), never below what the graph
-    needs."""
+    default rule (memory_budget_rule), never below what the graph needs."""
+
+    memory_budget_rule: str = "free_memory"
+    """How the default budget (memory_budget_bytes None) is chosen:
+    "free_memory", an eighth of the memory free on the emptiest rank at the
+    group's first compile (the device's on CUDA, the host's elsewhere), so
+    that with room parameters stay gathered from forward to backward;
+    "largest_param", four times the largest parameter the graph reads (in
+    the dtype it is gathered in), the leanest default; "auto", the first on
+    a CUDA device and the second elsewhere (the defaults before the host's
+    memory was read). On the benchmark's CPU host the host-memory budget
+    made a graph-broken mixture-of-experts model 0.49x-0.77x the lean
+    rule's step (compiled 0.63x-0.98x eager, where the lean rule was 1.30x
+    eager in 2 of 3 runs), and the GPT 0.75x-1.43x, at a higher peak:
+    bench/results/floor_targets.md. Either is raised to what a graph needs
+    at least."""
+
+    warn_graphs: int | None = 10
+    """Warn once (sharc.ManyGraphsWarning) when graph breaks split a sharded
+    model's step into this many compiled graphs reading sharded parameters
+    (counted by Dynamo frame, recompiles not counted): each pays its own
+    collectives' latency, so the compiled step may be slower than eager.
+    The warning carries the measured collective latencies. None: never."""
 
     profile: bool = True
     """Measure, in the first compile, each compute node's time (on stand-in
@@ -183,6 +202,14 @@ class CompileConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inductor, bool):
             raise TypeError(f"CompileConfig.inductor must be a bool, got {self.inductor!r}")
+        if self.warn_graphs is not None and (not isinstance(self.warn_graphs, int) or
+                                             isinstance(self.warn_graphs, bool) or
+                                             self.warn_graphs < 1):
+            raise ValueError("CompileConfig.warn_graphs must be an int >= 1 or None, got "
+                             f"{self.warn_graphs!r}")
+        if self.memory_budget_rule not in ("auto", "free_memory", "largest_param"):
+            raise ValueError("CompileConfig.memory_budget_rule must be 'auto', 'free_memory' "
+                             f"or 'largest_param', got {self.memory_budget_rule!r}")
         if not isinstance(self.profile, bool):
             raise TypeError(f"CompileConfig.profile must be a bool, got {self.profile!r}")
         for name in ("gather_bucket_bytes", "reduce_bucket_bytes", "memory_budget_bytes"):

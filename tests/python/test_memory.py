@@ -1,7 +1,8 @@
 """Nothing full-size survives from forward to backward, and the peak of
 gathered bytes during a training step of an 8-block transformer stays below
 three blocks' parameters on every rank, in eager mode and compiled with the
-"sharc" backend."""
+"sharc" backend under the lean budget; the host-memory budget (the
+default) keeps parameters gathered instead when the host has room."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from dist_harness import run_ranks
 
 
-def _step_peak(rank, world, compiled):
+def _step_peak(rank, world, compiled, options=None):
     import sharc
     from sharc.models.gpt import GPT, GPTConfig
 
@@ -18,7 +19,7 @@ def _step_peak(rank, world, compiled):
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sharc.shard(model)
-    step = torch.compile(model, backend="sharc") if compiled else model
+    step = torch.compile(model, backend="sharc", options=options) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(65, (2, 32))
     stats = []
@@ -35,7 +36,10 @@ def _step_peak(rank, world, compiled):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_peak_gathered_bytes_below_three_blocks(compiled):
-    for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2, compiled):
+    # The bound holds for the lean budget, which this pins (named, not left
+    # to the default; the host-memory rule keeps every parameter: below).
+    lean = {"memory_budget_rule": "largest_param"}
+    for block_bytes, model_bytes, stats in run_ranks(_step_peak, 2, compiled, lean):
         for after_forward, after_step in stats:
             # Nothing but what the schedule keeps gathered (small parameters).
             assert after_forward["gathered_bytes"] == after_forward["kept_gathered_bytes"]
@@ -47,3 +51,22 @@ def test_peak_gathered_bytes_below_three_blocks(compiled):
             # Every parameter with a gradient was reduce-scattered once per step.
             assert after_step["reduce_scatter_calls"] > 0
             assert after_step["allgather_bytes"] > 0
+
+
+def test_host_memory_budget_keeps_the_model_gathered_when_the_host_has_room():
+    """memory_budget_rule="free_memory" on a CPU: an eighth of the host's
+    free memory (far above this 1.6 MB model), every parameter the backward reads stays
+    gathered from forward to backward (the others, embeddings and biases,
+    gain nothing by it), so the backward gathers nothing; the lean rule
+    keeps less than a block and gathers again."""
+    lean = {"memory_budget_rule": "largest_param"}
+    host = {"memory_budget_rule": "free_memory"}
+    for (block_bytes, model_bytes, roomy), (_, _, leaner) in zip(
+            run_ranks(_step_peak, 2, True, host), run_ranks(_step_peak, 2, True, lean)):
+        after_forward, after_step = roomy[1]  # the second step: a repeating schedule
+        assert 0.9 * model_bytes < after_step["kept_gathered_bytes"] < model_bytes
+        # One gather per parameter per step: the forward's, nothing after it.
+        assert after_step["allgather_bytes"] == after_forward["allgather_bytes"]
+        lean_forward, lean_step = leaner[1]
+        assert lean_step["kept_gathered_bytes"] < block_bytes
+        assert lean_step["allgather_bytes"] > lean_forward["allgather_bytes"]

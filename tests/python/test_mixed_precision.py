@@ -360,6 +360,7 @@ def _peaks_without_keeping(rank, world, dump_dir):
     for name, param in (("fp32", None), ("bf16", BF16)):
         config = _policy(param) if param else None
         options = {"disable_passes": ("keep_gathered_params",),
+                   "memory_budget_rule": "largest_param",  # the rule this pins
                    "dump_ir": f"{dump_dir}/{name}"}
         run = scenario.run_sharded(rank, world, make_parity_model, _batch, "compiled", 3,
                                    shard_config=config, compile_options=options,

@@ -59,7 +59,7 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
-    return in_pass_order(compiled, forward_groups)
+    return in_pass_order(compiled, forward_groups, config)
 
 
 def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
@@ -87,7 +87,8 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
                            partition_fn=partition, keep_inference_input_mutations=True)
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = backend(gm, example_inputs)
-    return in_pass_order(compiled, forward_groups)
+    return in_pass_order(compiled, forward_groups, config)
+
 
 
 @functools.cache

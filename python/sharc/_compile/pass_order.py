@@ -19,8 +19,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from sharc._compile.graph_breaks import counter_for
 from sharc._compile.ops import START_GATHER, is_call
 from sharc._library import Runtime
+from sharc.config import CompileConfig
 
 
 def gathered_group(graph: fx.Graph) -> str | None:
@@ -31,20 +33,26 @@ def gathered_group(graph: fx.Graph) -> str | None:
     return None
 
 
-def in_pass_order(compiled, groups: list[str]):
+def in_pass_order(compiled, groups: list[str], config: CompileConfig):
     """`compiled` (what a torch.compile backend returns for one Dynamo graph,
     called with the graph's inputs) telling the runtime of `groups[0]` what
-    it reads and returns, so the runtime knows where forward passes begin;
+    it reads and returns, so the runtime knows where forward passes begin
+    (and the many-graphs warning counts graphs per pass, while it counts);
     `compiled` itself when the graph gathers nothing."""
     if not groups:
         return compiled
     group = groups[0]
+    counter = counter_for(group, config, Runtime.for_group(group))
 
     def run(*args):
         runtime = Runtime.for_group(group)
-        runtime.begin_forward_graph([t for t in args if isinstance(t, torch.Tensor)])
+        inputs = [t for t in args if isinstance(t, torch.Tensor)]
+        runtime.begin_forward_graph(inputs)
         out = compiled(*args)
-        runtime.end_forward_graph([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        runtime.end_forward_graph(outputs)
+        if counter.active:
+            counter.ran(inputs, outputs)
         return out
 
     return run

@@ -70,7 +70,7 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
     """What the graph is scheduled from, beyond the pipeline's settings."""
     facts = torch.classes.sharc.ScheduleFacts()
     budget = config.memory_budget_bytes
-    facts.memory_budget_bytes = (default_budget(lowered, group_name, config.pipeline_text())
+    facts.memory_budget_bytes = (default_budget(lowered, group_name, config)
                                  if budget is None else budget)
     facts.budget_is_default = budget is None
     facts.collective_costs = collective
@@ -81,34 +81,71 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
     return facts
 
 
-def default_budget(lowered, group_name: str, pipeline: str) -> int:
-    """CompileConfig.memory_budget_bytes' default rule: on a CUDA device an
-    eighth of the memory free on the emptiest rank at the group's first
-    compile, elsewhere four times the largest parameter the graph reads, in
-    the dtype `pipeline` gathers it in (a bf16-gathered fp32 weight counts
+def default_budget(lowered, group_name: str, config: CompileConfig) -> int:
+    """CompileConfig.memory_budget_bytes' default, by memory_budget_rule
+    ("auto": "free_memory" for a CUDA parameter, "largest_param" for others,
+    the rules before the host's memory was read):
+    "free_memory", an eighth of the memory free on the emptiest rank at the
+    group's first compile (the CUDA device's, or the host's for a CPU
+    parameter: with room, the schedule keeps parameters gathered from
+    forward to backward and saves their backward all-gathers);
+    "largest_param", four times the largest parameter the graph reads, in
+    the dtype the pipeline gathers it in (a bf16-gathered fp32 weight counts
     its bf16 bytes: in fp32 bytes the narrower graph got twice the room and
-    its buckets and prefetches filled it); the scheduler raises either to
+    its buckets and prefetches filled it). The scheduler raises either to
     what the graph needs at least. Every rank must get the same budget, or
-    they keep different parameters and issue different collectives."""
+    they keep different parameters and issue different collectives: free
+    memory is agreed over the group (its least), once."""
     slot = next(iter(lowered.slots.values()))
     device = slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
-    if device.type == "cuda":
-        return _agreed_free_bytes(group_name, device) // 8
-    return 4 * torch.classes.sharc.Scheduler.largest_gathered_param_bytes(lowered.text, pipeline)
+    rule = config.memory_budget_rule
+    if rule == "auto":
+        rule = "free_memory" if device.type == "cuda" else "largest_param"
+    if rule == "largest_param":
+        return 4 * torch.classes.sharc.Scheduler.largest_gathered_param_bytes(
+            lowered.text, config.pipeline_text())
+    return _agreed_free_bytes(group_name, device) // 8
 
 
 @functools.cache
 def _agreed_free_bytes(group_name: str, device: torch.device) -> int:
-    """The least free device memory over the group's ranks, measured once
-    per group: at its first compile, which every rank runs (a recompile on
-    some ranks only finds it cached and issues no collective)."""
+    """The least free memory of `device` (a CUDA device, or the host) over
+    the group's ranks, measured once per group: at its first compile, which
+    every rank runs (a recompile on some ranks only finds it cached and
+    issues no collective)."""
     with unset_fake_temporarily(), no_python_dispatcher():  # a real collective
-        free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.int64,
-                            device=device)
+        on_cuda = device.type == "cuda"
+        local = torch.cuda.mem_get_info(device)[0] if on_cuda else host_free_bytes()
+        free = torch.tensor([local], dtype=torch.int64,
+                            device=device if on_cuda else torch.device("cpu"))
         if dist.is_initialized():
             group = torch._C._distributed_c10d._resolve_process_group(group_name)
             dist.all_reduce(free, op=dist.ReduceOp.MIN, group=group)
         return int(free.item())
+
+
+def host_free_bytes() -> int:
+    """The host memory available to new allocations without swapping:
+    Linux's MemAvailable (free pages plus what the kernel can reclaim, page
+    cache included), else the free physical pages; within a cgroup's limit
+    (a container), at most the room left under it."""
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    meminfo = _read("/proc/meminfo")
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            free = int(line.split()[1]) * 1024  # reported in kB
+    limit, used = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+    if limit.strip().isdigit() and used.strip().isdigit():
+        free = min(free, max(0, int(limit) - int(used)))
+    return free
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _keep(runtime, lowered, params) -> None:
