@@ -77,7 +77,7 @@ def _extra_collectives(rank, world, mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = torch.compile(model, backend="sharc") if mode == "compiled" else model
     calls = []
-    for it in range(5):
+    for it in range(8):
         sharc.reset_memory_stats()
         step(torch.full((2, 8), float(rank + it))).backward()
         opt.step()
@@ -95,5 +95,9 @@ def test_a_schedule_run_before_takes_no_collective_beyond_its_own():
             # A collective announces what followed its context the last time:
             # a schedule met for the first time is announced from its second
             # lap on, fully from its third (eager prefetch changes the first
-            # step's schedule, so that is step 3 in eager).
-            assert extra[3:] == [0, 0], calls
+            # step's schedule, so that is step 3 in eager). A step of fewer
+            # than kLag collectives (compiled, with every parameter kept
+            # gathered: one gather and one reduction) needs more laps to
+            # cover the kLag + context collectives a prediction spans.
+            warm = 3 if mode == "eager" else 5
+            assert extra[warm:] == [0] * (8 - warm), calls
