@@ -57,7 +57,8 @@ stage machine machine.log machine
 # gpu_check.sh writes its own $OUT/gpu_check.log too; this one adds the timeout.
 stage gpu_check gpu_check_run.log timeout -k 10 "$CHECK_TIMEOUT" bash scripts/gpu_check.sh "$OUT"
 # If the build failed, a library built elsewhere against the same torch
-# (carried in .gpu_prebuilt/, see the note on the run) still lets the tests
+# (an ignored .gpu_prebuilt/ folder carried to the machine: see docs/gpu.md,
+# "What ran", for one built with the system g++ against the same wheel) still lets the tests
 # and the benchmark run; the build's failure stays in the stage statuses.
 if [ ! -f build/gpu/libsharc_torch.so ] && [ -f .gpu_prebuilt/libsharc_torch.so ]; then
   echo "=== the build failed: using .gpu_prebuilt/libsharc_torch.so for what follows"
