@@ -54,6 +54,25 @@ std::vector<CollectiveHeader> parse_headers(const at::Tensor& rows) {
   return headers;
 }
 
+at::Tensor exchange_header_rows(Communicator& comm, const CollectiveHeader& mine,
+                                c10::Device device) {
+  const int64_t world = comm.world_size();
+  const auto words = mine.words();
+  at::Tensor here =
+      at::tensor(c10::ArrayRef<int64_t>(words.data(), words.size()), at::kLong).to(device);
+  at::Tensor all = at::empty({world * CollectiveHeader::kWords}, here.options());
+  wait_and_release(comm.all_gather(all, here));
+  return all.view({world, CollectiveHeader::kWords}).cpu();
+}
+
+std::vector<CollectiveHeader> headers_of_rows(const at::Tensor& rows) {
+  std::vector<CollectiveHeader> headers;
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    headers.push_back(CollectiveHeader::from_words(rows[r].const_data_ptr<int64_t>()));
+  }
+  return headers;
+}
+
 void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
   const auto bits = header.bits();
   at::Tensor host = host_staging({CollectiveHeader::kBits}, at::kFloat, columns);

@@ -135,18 +135,8 @@ void ReplicateGroup::judge(int64_t seq, const std::vector<int64_t>& sums) {
 
 void ReplicateGroup::exchange_headers(const CollectiveHeader& mine, c10::Device device) {
   RECORD_FUNCTION("sharc::agree_replicas", std::vector<c10::IValue>());
-  const int64_t world = comm_.world_size();
-  const auto words = mine.words();
-  at::Tensor here =
-      at::tensor(c10::ArrayRef<int64_t>(words.data(), words.size()), at::kLong).to(device);
-  at::Tensor all = at::empty({world * CollectiveHeader::kWords}, here.options());
-  wait_and_release(comm_.all_gather(all, here));
-  at::Tensor rows = all.view({world, CollectiveHeader::kWords}).cpu();
-  std::vector<CollectiveHeader> headers;
-  for (int64_t r = 0; r < world; ++r) {
-    headers.push_back(CollectiveHeader::from_words(rows[r].const_data_ptr<int64_t>()));
-  }
-  const Verdict verdict = CollectiveAgreement::judge(headers, comm_.rank());
+  const Verdict verdict = CollectiveAgreement::judge(
+      headers_of_rows(exchange_header_rows(comm_, mine, device)), comm_.rank());
   if (verdict.kind == Verdict::kAgree) return;
   diverged(detail::concat("rank ", comm_.rank(), " is about to all-reduce ", mine.count,
                           " parameter gradients over replicate group '", comm_.group_name(),

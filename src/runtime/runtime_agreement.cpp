@@ -203,18 +203,8 @@ Verdict Runtime::send_decoy_locked(const CollectiveAgreement::Issue& issue, c10:
 void Runtime::exchange_headers_locked(const CollectiveHeader& mine,
                                       const std::vector<int64_t>& ids, c10::Device device) {
   RECORD_FUNCTION("sharc::agree", std::vector<c10::IValue>());
-  const int64_t world = comm_.world_size();
-  const auto words = mine.words();
-  at::Tensor here = at::tensor(c10::ArrayRef<int64_t>(words.data(), words.size()), at::kLong);
-  at::Tensor mine_on_device = here.to(device);
-  at::Tensor all = at::empty({world * CollectiveHeader::kWords}, mine_on_device.options());
-  wait_and_release(comm_.all_gather(all, mine_on_device));
-  at::Tensor rows = all.view({world, CollectiveHeader::kWords}).cpu();
-  std::vector<CollectiveHeader> headers;
-  for (int64_t r = 0; r < world; ++r) {
-    headers.push_back(CollectiveHeader::from_words(rows[r].const_data_ptr<int64_t>()));
-  }
-  const Verdict verdict = CollectiveAgreement::judge(headers, comm_.rank());
+  const at::Tensor rows = exchange_header_rows(comm_, mine, device);
+  const Verdict verdict = CollectiveAgreement::judge(headers_of_rows(rows), comm_.rank());
   if (verdict.kind == Verdict::kAgree) return;
   // The same answer on every rank (they all saw `rows`): name the first
   // parameter where the lists part, with one more exchange on every rank.

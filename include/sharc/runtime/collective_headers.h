@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "sharc/core/collective_agreement.h"
+#include "sharc/runtime/communicator.h"
 
 namespace sharc {
 
@@ -36,6 +37,14 @@ std::vector<CollectiveHeader> read_headers(const at::Tensor& gathered, int64_t w
 
 /// The headers in `rows`, header_rows() on the host.
 std::vector<CollectiveHeader> parse_headers(const at::Tensor& rows);
+
+/// Every rank's header, exchanged in one small all-gather on `device`
+/// (blocking): world_size x CollectiveHeader::kWords words on the host.
+at::Tensor exchange_header_rows(Communicator& comm, const CollectiveHeader& mine,
+                                c10::Device device);
+
+/// The headers in exchange_header_rows()' rows.
+std::vector<CollectiveHeader> headers_of_rows(const at::Tensor& rows);
 
 /// Writes `header`'s bits into `columns` (rows x kBits), every row alike.
 void write_header_bits(at::Tensor columns, const CollectiveHeader& header);
