@@ -254,6 +254,9 @@ class EagerSchedule:
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
                  prefetch: bool = True, checks: RankCheck | None = None):
         self._scopes: list[_Scope] = []
+        # Told where modules begin and end: it draws the buckets gradients
+        # are reduced in (see [Note: eager reduction] in eager_reduction.h).
+        self._reduction = refs[0].runtime if refs else None
         self.checks = checks  # reads outside forward are collective: checked first
         # One group gathered ahead, from the previous pass's order (see the
         # note in _eager_prefetch.py); gather units gather on their own.
@@ -308,6 +311,8 @@ class EagerSchedule:
                     self._pack, self._unpack)
                 self._saved_hooks.__enter__()
         self._scopes.append(_Scope())
+        if self._reduction is not None:
+            self._reduction.enter_module()
 
     @torch.compiler.disable
     def exit_scope(self) -> None:
@@ -316,6 +321,8 @@ class EagerSchedule:
         scope.full.clear()  # before releasing: only references from outside remain
         for ref in held:
             self._let_go(ref)
+        if self._reduction is not None:
+            self._reduction.exit_module()
         if not self._scopes:
             self._delegating_saves = False
             if self._saved_hooks is not None:

@@ -5,7 +5,7 @@
 //       Blocking all-gather of one parameter in its gather dtype (the shard
 //       cast first, see GatherSpec); takes one hold on its buffer and returns
 //       the true-shape full tensor (an alias of the runtime's buffer). Its
-//       gradient is reduce_scatter of the full gradient.
+//       gradient is reduced asynchronously, in buckets (eager_reduction.h).
 //   all_gather(shard, shape, group, param) -> full
 //       The functional form captured by torch.compile, in the master dtype:
 //       the full tensor is a copy of its own, so any compiler may treat it as
@@ -130,11 +130,30 @@ void sum_gradients_in_reduce_dtype(const at::Tensor& full, const std::string& gr
       .set_grad_dtype(c10::promoteTypes(full.scalar_type(), reduce));
 }
 
-template <const char* OpName>
+at::Tensor all_gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
+                               const std::string& group, int64_t param) {
+  at::Tensor full = GatherFunction<kAllGather>::apply(shard, shape, group, param);
+  sum_gradients_in_reduce_dtype(full, group, param);
+  return full;
+}
+
+// The eager gather: its gradient is reduced asynchronously, in buckets,
+// and reaches the shard through a wait node (see [Note: eager reduction]).
 at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
                            const std::string& group, int64_t param) {
-  at::Tensor full = GatherFunction<OpName>::apply(shard, shape, group, param);
-  sum_gradients_in_reduce_dtype(full, group, param);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kGather, "")
+                       .typed<decltype(gather_kernel)>();
+  at::Tensor full;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    full = op.call(shard, shape, group, param);
+  }
+  if (at::GradMode::is_enabled() && shard.requires_grad()) {
+    auto runtime = RuntimeTable::instance().get(group);
+    runtime->eager_reduction().connect(full, shard, param, runtime);
+    sum_gradients_in_reduce_dtype(full, group, param);
+  }
   return full;
 }
 
@@ -171,6 +190,6 @@ TORCH_LIBRARY_IMPL(sharc, Meta, m) {
 }
 
 TORCH_LIBRARY_IMPL(sharc, Autograd, m) {
-  m.impl("gather", sharc::gather_autograd<sharc::kGather>);
-  m.impl("all_gather", sharc::gather_autograd<sharc::kAllGather>);
+  m.impl("gather", sharc::gather_autograd);
+  m.impl("all_gather", sharc::all_gather_autograd);
 }

@@ -48,6 +48,26 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("settle_all", &sharc::Runtime::settle_all)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
       .def("flush_unit", &sharc::Runtime::flush_unit)
+      .def("enter_module",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self) {
+             self->eager_reduction().enter_module();
+           })
+      .def("exit_module",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self) {
+             self->eager_reduction().exit_module();
+           })
+      .def("set_eager_bucket_bytes",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t bytes) {
+             self->eager_reduction().set_bucket_bytes(bytes);
+           })
+      .def("eager_reductions_started",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self) {
+             return self->eager_reduction().reductions_started();
+           })
+      .def("eager_reductions_in_flight",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self) {
+             return self->eager_reduction().in_flight();
+           })
       .def("start_gather",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, std::vector<int64_t> ids) {
              self->start_gather(ids);  // each in its gather dtype

@@ -23,6 +23,7 @@
 #include "sharc/core/graph_sequence.h"
 #include "sharc/runtime/collective_probe.h"
 #include "sharc/runtime/communicator.h"
+#include "sharc/runtime/eager_reduction.h"
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
 #include "sharc/runtime/gather_spec.h"
@@ -345,6 +346,9 @@ class Runtime : public torch::CustomClassHolder {
   c10::Dict<std::string, int64_t> stats();
   void reset_stats();
 
+  /// The eager path's gradient reductions (see [Note: eager reduction]).
+  EagerReduction& eager_reduction() { return eager_reduction_; }
+
   /// What this group's collectives cost, measured on the first call (a
   /// few small collectives on the parameters' device, the same numbers on
   /// every rank: collective, every rank must call it) and cached: [all-gather
@@ -489,6 +493,7 @@ class Runtime : public torch::CustomClassHolder {
   /// Set once the ranks diverged: the error every later collective raises.
   std::string diverged_;
   GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
+  EagerReduction eager_reduction_{*this};
   bool end_of_backward_queued_ = false;
   /// The outputs of the forward graph that ran last (begin_forward_graph).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> forward_outputs_;
