@@ -23,16 +23,19 @@ struct EagerBucket {
   int64_t bytes = 0;      ///< of the full gradients
   uint64_t wait_at = 0;   ///< the wait nodes' sequence number (see the note)
   // One backward pass:
+  int64_t to_reduce = 0;  ///< slots whose gradients a collective carries (not a unit's)
   std::vector<bool> delivered;
   int64_t delivered_count = 0;
+  int64_t collected_count = 0;  ///< of the to_reduce slots
   int64_t taken = 0;
   std::vector<std::weak_ptr<EagerRun>> run_of;  ///< the reduction carrying each slot
   std::vector<at::Tensor> results;               ///< reduced, not taken yet
 
   bool holds(int64_t id) const { return std::find(ids.begin(), ids.end(), id) != ids.end(); }
-  void add_slot(int64_t id, int64_t grad_bytes) {
+  void add_slot(int64_t id, int64_t grad_bytes, bool deferred) {
     ids.push_back(id);
     bytes += grad_bytes;
+    if (!deferred) ++to_reduce;
     delivered.push_back(false);
     run_of.emplace_back();
     results.emplace_back();
@@ -40,6 +43,7 @@ struct EagerBucket {
   void reset_pass() {
     std::fill(delivered.begin(), delivered.end(), false);
     delivered_count = 0;
+    collected_count = 0;
     taken = 0;
     std::fill(run_of.begin(), run_of.end(), std::weak_ptr<EagerRun>());
     std::fill(results.begin(), results.end(), at::Tensor());
@@ -182,7 +186,7 @@ void EagerReduction::connect(at::Tensor& full, const at::Tensor& shard, int64_t 
     slot = bucket->ids.size();
     const int64_t reduce_bytes =
         full.numel() * static_cast<int64_t>(c10::elementSize(runtime_.spec(id).reduce_dtype));
-    bucket->add_slot(id, reduce_bytes);
+    bucket->add_slot(id, reduce_bytes, runtime_.reduction_deferred(id));
     if (bucket->bytes >= bucket_bytes_) close_at_exit_ = true;
   }
   auto wait = make_node<ReduceWait>(bucket->wait_at, owner, bucket, slot);
@@ -202,6 +206,17 @@ void EagerReduction::deliver(const std::shared_ptr<EagerBucket>& bucket, size_t 
   // A second backward over the same forward (retain_graph=True) begins
   // where the first left this bucket, or left a gradient unreduced.
   if (bucket->delivered[slot]) finish_pass_locked(bucket);
+  const int64_t id = bucket->ids[slot];
+  if (runtime_.reduction_deferred(id)) {
+    // A gather unit's parameter: held back for the unit's own reduction at
+    // the end of backward (no collective now, a zero shard gradient). It
+    // joins no bucket, since ranks run different members of a unit.
+    bucket->delivered[slot] = true;
+    ++bucket->delivered_count;
+    bucket->results[slot] = runtime_.wait_reduce_scatter(
+        runtime_.start_reduce_scatter({id}, {std::move(grad)}))[0];
+    return;
+  }
   if (collected_ && collected_->bucket != bucket) start_collected_locked();
   if (!collected_) {
     collected_ = std::make_shared<EagerRun>();
@@ -211,9 +226,8 @@ void EagerReduction::deliver(const std::shared_ptr<EagerBucket>& bucket, size_t 
   collected_->grads.push_back(std::move(grad));
   bucket->delivered[slot] = true;
   bucket->run_of[slot] = collected_;
-  if (++bucket->delivered_count == static_cast<int64_t>(bucket->ids.size())) {
-    start_collected_locked();
-  }
+  ++bucket->delivered_count;
+  if (++bucket->collected_count == bucket->to_reduce) start_collected_locked();
 }
 
 void EagerReduction::start_collected_locked() {

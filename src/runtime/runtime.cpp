@@ -767,6 +767,11 @@ void Runtime::set_deferred_reduction(int64_t id, bool deferred) {
   param(id).deferred = deferred;
 }
 
+bool Runtime::reduction_deferred(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).deferred;
+}
+
 std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
   RECORD_FUNCTION("sharc::flush_unit", std::vector<c10::IValue>());
   SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");

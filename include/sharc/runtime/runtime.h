@@ -292,6 +292,8 @@ class Runtime : public torch::CustomClassHolder {
 
   /// Marks a parameter as part of a gather unit (see flush_unit).
   void set_deferred_reduction(int64_t id, bool deferred);
+  /// Whether `id`'s gradients are held back for its gather unit.
+  bool reduction_deferred(int64_t id);
   /// Blocking: one reduce-scatter of every parameter of a unit, of what its
   /// backward held back or zeros where this rank produced no gradient (a
   /// routed-away expert), so that every rank issues the same collective.
