@@ -31,13 +31,13 @@ forward to backward, and several backward passes over one forward
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from sharc import _rank_check
-from sharc._eager_prefetch import PassPrefetch
 from sharc._rank_check import RankCheck
 from sharc._param_ref import ShardedParamRef
 
@@ -104,6 +104,9 @@ _VIEW_NODES = {
 }
 _COPY_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _GATHER_TAG = "sharc_gathered_param"
+# Each sharded root's key in its runtime (the eager prefetch's order is
+# kept per root).
+_ROOT_KEYS = itertools.count()
 
 
 def _take_views(t: torch.Tensor, views: tuple) -> torch.Tensor:
@@ -254,15 +257,16 @@ class EagerSchedule:
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
                  prefetch: bool = True, checks: RankCheck | None = None):
         self._scopes: list[_Scope] = []
-        # Told where modules begin and end: it draws the buckets gradients
-        # are reduced in (see [Note: eager reduction] in eager_reduction.h).
-        self._reduction = refs[0].runtime if refs else None
+        # The runtime decides what to gather ahead and how gradients are
+        # reduced, from the events reported here: where each module's
+        # forward begins and ends, what backward gathers again, when it ends
+        # ([Note: eager prefetch] in core/pass_recording.h, [Note: eager
+        # reduction] in runtime/eager_reduction.h).
+        self._runtime = refs[0].runtime if refs else None
+        self._root = next(_ROOT_KEYS)
+        if self._runtime is not None:  # gather units gather on their own
+            self._runtime.set_eager_prefetch(self._root, prefetch, sorted(unit_ids))
         self.checks = checks  # reads outside forward are collective: checked first
-        # One group gathered ahead, from the previous pass's order (see the
-        # note in _eager_prefetch.py); gather units gather on their own.
-        runtime = refs[0].runtime if refs and prefetch else None
-        self._forward_prefetch = PassPrefetch(runtime, set(unit_ids))
-        self._backward_prefetch = PassPrefetch(runtime, set(unit_ids))
         self._saved_hooks = None
         self._delegating_saves = False  # another saved-tensor hook pair is active
         # Base storages are owned by the runtime for the life of the module,
@@ -311,8 +315,8 @@ class EagerSchedule:
                     self._pack, self._unpack)
                 self._saved_hooks.__enter__()
         self._scopes.append(_Scope())
-        if self._reduction is not None:
-            self._reduction.enter_module()
+        if self._runtime is not None:
+            self._runtime.enter_module(self._root)
 
     @torch.compiler.disable
     def exit_scope(self) -> None:
@@ -321,14 +325,13 @@ class EagerSchedule:
         scope.full.clear()  # before releasing: only references from outside remain
         for ref in held:
             self._let_go(ref)
-        if self._reduction is not None:
-            self._reduction.exit_module()
+        if self._runtime is not None:
+            self._runtime.exit_module()
         if not self._scopes:
             self._delegating_saves = False
             if self._saved_hooks is not None:
                 self._saved_hooks.__exit__(None, None, None)
                 self._saved_hooks = None
-            self._forward_prefetch.finish()
 
     @torch.compiler.disable
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
@@ -345,7 +348,6 @@ class EagerSchedule:
         cached = scope.full.get(ref.pid)
         if cached is not None:
             return cached[1]
-        self._forward_prefetch.on_gather(scope, ref.pid)
         full = ref.gather_op()
         scope.full[ref.pid] = (ref, full)
         if full.grad_fn is not None:
@@ -396,8 +398,7 @@ class EagerSchedule:
     def _gather_for_backward(self, ref: ShardedParamRef) -> torch.Tensor:
         entry = self._backward_full.get(ref.pid)
         if entry is None:
-            self._backward_prefetch.on_gather(self._forward_prefetch.group_of(ref.pid), ref.pid)
-            entry = (ref, ref.runtime.gather(ref.pid))
+            entry = (ref, ref.runtime.gather_for_backward(self._root, ref.pid))
             self._backward_full[ref.pid] = entry
             self._queue_end_of_backward()
         return entry[1]
@@ -423,7 +424,8 @@ class EagerSchedule:
             self._release_unit(unit)
         for pid in list(self._backward_full):
             self._release_backward(pid)
-        self._backward_prefetch.finish()
+        if self._runtime is not None:
+            self._runtime.end_eager_backward(self._root)
 
     # -- letting go -----------------------------------------------------
     def _release_unit(self, unit: GatherUnit) -> None:

@@ -31,6 +31,9 @@ at::Tensor gather_kernel(const at::Tensor& shard, c10::IntArrayRef shape,
   (void)shape;
   auto runtime = RuntimeTable::instance().get(group);
   runtime->check_shard(param, shard);  // the runtime gathers its registered shard
+  // A forward read: the eager prefetch may start this module's group and
+  // the next (see [Note: eager prefetch]).
+  runtime->eager_prefetch().on_forward_gather(param);
   return runtime->gather(param);
 }
 

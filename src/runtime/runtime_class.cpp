@@ -48,13 +48,17 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("settle_all", &sharc::Runtime::settle_all)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
       .def("flush_unit", &sharc::Runtime::flush_unit)
-      .def("enter_module",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self) {
-             self->eager_reduction().enter_module();
+      .def("enter_module", &sharc::Runtime::enter_module)
+      .def("exit_module", &sharc::Runtime::exit_module)
+      .def("gather_for_backward", &sharc::Runtime::gather_for_backward)
+      .def("set_eager_prefetch",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, bool enabled,
+              std::vector<int64_t> excluded) {
+             self->eager_prefetch().configure(root, enabled, excluded);
            })
-      .def("exit_module",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self) {
-             self->eager_reduction().exit_module();
+      .def("end_eager_backward",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root) {
+             self->eager_prefetch().end_backward(root);
            })
       .def("set_eager_bucket_bytes",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t bytes) {

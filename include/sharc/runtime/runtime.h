@@ -23,6 +23,7 @@
 #include "sharc/core/graph_sequence.h"
 #include "sharc/runtime/collective_probe.h"
 #include "sharc/runtime/communicator.h"
+#include "sharc/runtime/eager_prefetch.h"
 #include "sharc/runtime/eager_reduction.h"
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
@@ -350,6 +351,16 @@ class Runtime : public torch::CustomClassHolder {
 
   /// The eager path's gradient reductions (see [Note: eager reduction]).
   EagerReduction& eager_reduction() { return eager_reduction_; }
+  /// The eager path's gathers ahead (see [Note: eager prefetch]).
+  EagerPrefetch& eager_prefetch() { return eager_prefetch_; }
+  /// A module of sharded root `root` begins its forward, and ends it: the
+  /// eager reduction draws its buckets and the eager prefetch its groups
+  /// from these.
+  void enter_module(int64_t root);
+  void exit_module();
+  /// Backward of `root` needs `id` gathered again (a saved tensor unpacked):
+  /// recorded for the next backward's prefetch, then gathered (one hold).
+  at::Tensor gather_for_backward(int64_t root, int64_t id);
 
   /// What this group's collectives cost, measured on the first call (a
   /// few small collectives on the parameters' device, the same numbers on
@@ -496,6 +507,7 @@ class Runtime : public torch::CustomClassHolder {
   std::string diverged_;
   GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
   EagerReduction eager_reduction_{*this};
+  EagerPrefetch eager_prefetch_{*this};
   bool end_of_backward_queued_ = false;
   /// The outputs of the forward graph that ran last (begin_forward_graph).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> forward_outputs_;
