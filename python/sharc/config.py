@@ -49,7 +49,7 @@ class ShardConfig:
     the next module's (in the previous step's order) right behind it, in
     forward and in backward. Costs up to two modules' gathered parameters
     (and a bucket's staging) instead of one parameter at a time; see
-    python/sharc/_eager_prefetch.py."""
+    python/sharc/eager/prefetch.py."""
 
     rank_check_timeout_s: float = 120.0
     """How long a rank waits for the others at a call every rank must make

@@ -37,9 +37,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from sharc import _rank_check
-from sharc._eager_prefetch import PassPrefetch
-from sharc._rank_check import RankCheck
 from sharc._param_ref import ShardedParamRef
+from sharc._rank_check import RankCheck
+from sharc.eager.full_param_access import never_a_frame_of_its_own
+from sharc.eager.prefetch import PassPrefetch
 
 
 class _SavedParam:
@@ -235,8 +236,6 @@ class _Scope:
 
 
 def _skip_as_frames(cls):
-    from sharc._full_param_access import never_a_frame_of_its_own
-
     for name in ("forward_pre_hook", "forward_hook"):
         never_a_frame_of_its_own(getattr(cls, name))
     return cls
@@ -256,7 +255,7 @@ class EagerSchedule:
         self._scopes: list[_Scope] = []
         self.checks = checks  # reads outside forward are collective: checked first
         # One group gathered ahead, from the previous pass's order (see the
-        # note in _eager_prefetch.py); gather units gather on their own.
+        # note in prefetch.py); gather units gather on their own.
         runtime = refs[0].runtime if refs and prefetch else None
         self._forward_prefetch = PassPrefetch(runtime, set(unit_ids))
         self._backward_prefetch = PassPrefetch(runtime, set(unit_ids))
