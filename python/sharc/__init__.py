@@ -4,13 +4,12 @@ from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
 from sharc import _compile
 from sharc._compile.graph_breaks import ManyGraphsWarning
 from sharc.api import memory_stats, no_sync, reset_memory_stats, shard
+from sharc.checkpoint import (full_state_dict, get_state_dict, load_checkpoint,
+                              load_full_state_dict, save_checkpoint, set_state_dict)
 from sharc.clip import clip_grad_norm_
-from sharc.checkpoint import get_state_dict, set_state_dict
-from sharc.checkpoint_io import load_checkpoint, save_checkpoint
 from sharc.config import CompileConfig, ShardConfig
 from sharc.materialize import init_weights
 from sharc.mixed_precision import MixedPrecision
-from sharc.state_dict import full_state_dict, load_full_state_dict
 from sharc.unsharded import unsharded
 
 _compile.register()  # torch.compile(model, backend="sharc")

@@ -1,6 +1,6 @@
 """Host memory freed by sharc's one-at-a-time loops, given back at once.
 
-Initialising (materialize.py) or loading (load.py) a model one module or
+Initialising (materialize.py) or loading (checkpoint/load.py) a model one module or
 one tensor at a time allocates and frees full-size temporaries over and
 over. glibc serves a large allocation from mmap and returns it to the
 system when freed, but each such free raises its threshold to that size

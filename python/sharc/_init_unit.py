@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from sharc._host_memory import give_back_freed_memory
-from sharc._module_state import state_of
+from sharc._state import state_of
 
 _SENTINEL_BYTE = 0xFF  # NaN in every floating dtype, -1 in integer ones
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 # Set on each shard of a model awaiting its values (the parameter's name), so
-# that the optimizer step pre-hook (api.py) can refuse a step over it.
+# that the optimizer step pre-hook (_shard.py) can refuse a step over it.
 AWAITING = "_sharc_awaiting_init"
 
 FIX = ("call sharc.init_weights(model) (random initialisation, as if built normally with "

@@ -8,7 +8,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from sharc._module_state import state_of
+from sharc._state import state_of
 
 # Device types each c10d backend can communicate.
 # Gloo runs every collective sharc issues on CUDA tensors too (ranks sharing

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from sharc import _mesh, _validate
 from sharc._library import Runtime
+from sharc._state import sharded_root, unwrap_compiled
 
 
 def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor] | torch.Tensor,
@@ -74,8 +75,6 @@ def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor] | torch
 
 def _group_for(parameters, group):
     if group is None and isinstance(parameters, torch.nn.Module):
-        from sharc.api import sharded_root, unwrap_compiled
-
         try:
             return sharded_root(unwrap_compiled(parameters)).group
         except RuntimeError:

@@ -14,6 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from sharc._state import sharded_root
+
 
 class ReleasedParameterRead(RuntimeError):
     pass
@@ -28,8 +30,6 @@ class released_reads_raise(TorchDispatchMode):
         super().__init__()
         self._names: dict[int, str] = {}
         if module is not None:
-            from sharc.api import sharded_root
-
             root = sharded_root(module)
             for ref in root.refs_by_shard.values():
                 storage = root.runtime.padded_base(ref.pid).untyped_storage()

@@ -53,8 +53,8 @@ import torch
 from sharc import _hf_init, _rank_check
 from sharc._init_unit import InitProgress
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
-from sharc._module_state import state_of
-from sharc.api import sharded_root, unwrap_compiled
+from sharc._state import state_of
+from sharc._state import sharded_root, unwrap_compiled
 
 
 def init_weights(module: torch.nn.Module, init_fn=None) -> None:

@@ -2,7 +2,7 @@
 `sharc.plot` read.
 
     <run>/config.json            the TrainConfig the run started with
-    <run>/metrics.jsonl          one JSON object per line (see train.py)
+    <run>/metrics.jsonl          one JSON object per line (see train/trainer.py)
     <run>/checkpoints/step-N     sharc.save_checkpoint directories
     <run>/metrics.png            sharc.plot's figure
 """

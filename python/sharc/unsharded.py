@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from sharc import _rank_check
-from sharc._module_state import state_of
+from sharc._state import state_of
 from sharc._validate import _digest
-from sharc.api import sharded_root, unwrap_compiled
+from sharc._state import sharded_root, unwrap_compiled
 
 
 @contextlib.contextmanager

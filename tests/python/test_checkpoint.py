@@ -443,7 +443,7 @@ def test_saving_gathers_nothing_and_writes_from_the_shards(tmp_path):
 # ---- publishing by rename (no process group needed) -------------------------
 
 def test_publish_replaces_a_checkpoint_and_a_lost_one_falls_back(tmp_path):
-    from sharc.checkpoint_io import _existing, _publish
+    from sharc.checkpoint.directory import _existing, _publish
 
     path = str(tmp_path / "ckpt")
     for version in ("old", "new"):

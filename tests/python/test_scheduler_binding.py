@@ -11,7 +11,7 @@ from sharc.config import CompileConfig
 
 Scheduler = torch.classes.sharc.Scheduler
 
-# As lower.py produces it: parameters read directly, one gradient marker.
+# As fx_to_ir.py produces it: parameters read directly, one gradient marker.
 IR = """param @0 "g/0" bytes=64
 param @1 "g/1" bytes=8
 %x = input bytes=16

@@ -4,7 +4,8 @@ AOTAutograd splits each Dynamo graph into forward and backward graphs; a
 joint-graph pass first tells the partitioner to recompute gathers in backward
 (recompute.py). Each graph then goes through sharc's scheduler
 (schedule.py) and on to Inductor, or runs as a plain FX graph when
-`inductor=False`.
+`inductor=False`. Which FX transforms run on which graph, and in which
+order, is fx_pipeline.py's list.
 """
 
 from __future__ import annotations
@@ -14,40 +15,38 @@ import functools
 import torch
 import torch.fx as fx
 
-from sharc._compile.in_place_writes import refuse_writes_to_gathered
+from sharc._compile import fx_pipeline
 from sharc._compile.pass_order import gathered_group, in_pass_order
-from sharc._compile.recompute import RecomputeGathers, prepare_joint_graph
-from sharc._compile.schedule import schedule_graph
 from sharc.config import CompileConfig
 
 
 def sharc_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
     """Entry point torch.compile calls (`backend="sharc"`)."""
-    config = CompileConfig.from_options(options)
-    refuse_writes_to_gathered(gm)
-    if config.inductor:
-        return _compile_with_inductor(gm, example_inputs, config)
-    return _compile_without_inductor(gm, example_inputs, config)
+    compilation = fx_pipeline.Compilation(CompileConfig.from_options(options))
+    fx_pipeline.run("dynamo", gm, compilation)
+    if compilation.config.inductor:
+        return _compile_with_inductor(gm, example_inputs, compilation)
+    return _compile_without_inductor(gm, example_inputs, compilation)
 
 
-def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
+def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilation):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    from sharc._compile import lowerings
+    from sharc._compile import inductor_lowerings
 
-    lowerings.register()
+    inductor_lowerings.register()
 
-    joint_pass = RecomputeGathers()
+    joint_pass = fx_pipeline.JointGraphPass(compilation)
     forward_groups: list[str] = []  # the group the forward graph gathers from
 
     def inner(graph_module, inputs, **kwargs):
         kind = ("backward" if kwargs.get("is_backward") else
                 "inference" if kwargs.get("is_inference") else "forward")
-        scheduled = schedule_graph(graph_module, config, kind, joint_pass.read_in_backward)
+        fx_pipeline.run(kind, graph_module, compilation)
         if kind != "backward":
-            forward_groups.extend(filter(None, [gathered_group(scheduled.graph)]))
-        return compile_fx_inner(scheduled, inputs, **kwargs)
+            forward_groups.extend(filter(None, [gathered_group(graph_module.graph)]))
+        return compile_fx_inner(graph_module, inputs, **kwargs)
 
     # Caches are keyed by graphs before sharc rewrites them, and what sharc
     # bakes in (group names, parameter ids, buckets) is per process.
@@ -59,26 +58,25 @@ def _compile_with_inductor(gm, example_inputs, config: CompileConfig):
                                fx_graph_cache=False, autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
-    return in_pass_order(compiled, forward_groups, config)
+    return in_pass_order(compiled, forward_groups, compilation.config)
 
 
-def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
+def _compile_without_inductor(gm, example_inputs, compilation: fx_pipeline.Compilation):
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    backward_reads: set[tuple[str, int]] = set()
     forward_groups: list[str] = []  # the group the forward graph gathers from
 
     def compiler(kind):
         def compile_graph(graph_module, inputs):
-            scheduled = schedule_graph(graph_module, config, kind, backward_reads)
+            fx_pipeline.run(kind, graph_module, compilation)
             if kind != "backward":
-                forward_groups.extend(filter(None, [gathered_group(scheduled.graph)]))
-            return make_boxed_func(scheduled.forward)
+                forward_groups.extend(filter(None, [gathered_group(graph_module.graph)]))
+            return make_boxed_func(graph_module.forward)
         return compile_graph
 
     def partition(joint, joint_inputs, **kwargs):
-        prepare_joint_graph(joint.graph, backward_reads)
+        fx_pipeline.run("joint", joint.graph, compilation)
         joint.recompile()
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
@@ -87,7 +85,7 @@ def _compile_without_inductor(gm, example_inputs, config: CompileConfig):
                            partition_fn=partition, keep_inference_input_mutations=True)
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = backend(gm, example_inputs)
-    return in_pass_order(compiled, forward_groups, config)
+    return in_pass_order(compiled, forward_groups, compilation.config)
 
 
 

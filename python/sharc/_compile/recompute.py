@@ -6,18 +6,16 @@ MUST_RECOMPUTE makes
 AOTAutograd's partitioner place a fresh all_gather in the backward graph that
 reads the shard, so the forward hands backward only shards. sharc's passes
 then schedule both graphs' gathers and releases; the IR verifier rejects a
-backward graph that still receives a full parameter.
+backward graph that still receives a full parameter. The joint-graph
+transforms and their order are fx_pipeline.py's.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from sharc._compile.escaping import copy_escaping_gathers
-from sharc._compile.sparse_gradients import densify_sparse_gradients
 from sharc._compile.ops import ALL_GATHER, is_call, is_view, param_key
 
 _COPIES = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
@@ -65,34 +63,3 @@ def read_in_backward(graph: fx.Graph) -> set[tuple[str, int]]:
                     derived.add(user)
                     frontier.append(user)
     return read
-
-
-class RecomputeGathers(CustomGraphPass):
-    """prepare_joint_graph in the form Inductor's `joint_custom_post_pass`
-    hook takes (after Inductor's own joint-graph rewrites, which may replace
-    tagged view nodes, and right before partitioning). It keeps which
-    parameters the backward reads (`read_in_backward`), for the forward
-    graph's selective unsharding."""
-
-    def __init__(self) -> None:
-        self.read_in_backward: set[tuple[str, int]] = set()
-
-    def __call__(self, graph: fx.Graph) -> None:
-        prepare_joint_graph(graph, self.read_in_backward)
-
-    def uuid(self):
-        from sharc._compile import escaping, ops, sparse_gradients
-
-        return get_hash_for_files((__file__, escaping.__file__, ops.__file__,
-                                   sparse_gradients.__file__))
-
-
-def prepare_joint_graph(graph: fx.Graph, backward_reads: set[tuple[str, int]]) -> None:
-    """What sharc does to a joint graph before partitioning: builds sparse
-    gradients dense (sparse_gradients.py), records what the backward reads,
-    tags gathers for recompute, and returns copies of gathered values that
-    the caller gets back (escaping.py)."""
-    densify_sparse_gradients(graph)
-    backward_reads |= read_in_backward(graph)
-    mark_gathers_for_recompute(graph)
-    copy_escaping_gathers(graph)

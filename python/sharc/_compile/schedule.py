@@ -1,5 +1,6 @@
-"""One graph through sharc's scheduler: lower to IR, run the C++ passes,
-rebuild the FX graph."""
+"""One graph through sharc's scheduler: lower to IR (fx_to_ir.py), run the
+C++ passes, rebuild the FX graph (ir_to_fx.py). The last of the FX
+transforms in fx_pipeline.py."""
 
 from __future__ import annotations
 
@@ -13,13 +14,11 @@ import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from sharc._compile.apply import rebuild
-from sharc._compile.escaping import copy_escaping_gathers
-from sharc._compile.lower import lower
+from sharc._compile.fx_to_ir import lower
+from sharc._compile.ir_to_fx import rebuild
+from sharc._compile.ops import BACKWARD_GRAPH, FORWARD_GRAPH
 from sharc._compile.profile import profile_compute
 from sharc._library import Runtime
-from sharc._compile.merge_gradients import merge_gradient_reductions
-from sharc._compile.ops import BACKWARD_GRAPH, FORWARD_GRAPH
 from sharc.config import CompileConfig
 
 _graph_ids = itertools.count()
@@ -31,10 +30,6 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
     AOTAutograd) in place so that gathers, waits, releases and reductions
     are explicit sharc ops. `read_in_backward`: (group, parameter id) the
     backward reads, the only ones a forward graph may keep gathered."""
-    if kind == "backward":
-        merge_gradient_reductions(gm.graph)
-    if kind == "inference":  # training graphs: done in the joint graph
-        copy_escaping_gathers(gm.graph)
     lowered = lower(gm.graph)
     if not lowered.slots:
         return gm  # nothing sharded is read here

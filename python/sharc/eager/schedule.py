@@ -38,8 +38,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from sharc import _rank_check
-from sharc._rank_check import RankCheck
 from sharc._param_ref import ShardedParamRef
+from sharc._rank_check import RankCheck
+from sharc.eager.full_param_access import never_a_frame_of_its_own
 
 
 class _SavedParam:
@@ -238,8 +239,6 @@ class _Scope:
 
 
 def _skip_as_frames(cls):
-    from sharc._full_param_access import never_a_frame_of_its_own
-
     for name in ("forward_pre_hook", "forward_hook"):
         never_a_frame_of_its_own(getattr(cls, name))
     return cls

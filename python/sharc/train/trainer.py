@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 import sharc
-from sharc import _train_report as report
 from sharc.data import CharDataset
 from sharc.launch import configure_threads, launch
 from sharc.models.gpt import GPT, GPTConfig
 from sharc.run_dir import RunDir
+from sharc.train import report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """--dtype's choices: the dtype parameters are gathered in and forward and
@@ -416,7 +416,3 @@ def _sample(cfg, data: CharDataset, model) -> str:
 def main(argv=None) -> None:
     cfg, nproc, resume = _parse(argv)
     launch(train, nproc, "gloo", (cfg, resume is not None))
-
-
-if __name__ == "__main__":
-    main()

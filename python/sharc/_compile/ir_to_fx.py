@@ -20,7 +20,7 @@ import torch.fx as fx
 
 import torch
 
-from sharc._compile.lower import LoweredGraph, ParamSlot
+from sharc._compile.fx_to_ir import LoweredGraph, ParamSlot
 from sharc._compile.ops import (PREFETCH_NEXT_GRAPH, RELEASE, START_GATHER,
                                 START_REDUCE_SCATTER, START_REPLICATE_ALL_REDUCE, WAIT_GATHER,
                                 WAIT_REDUCE_SCATTER, is_tensor)

@@ -13,7 +13,7 @@ unsharded (original parameter names, optimizer state under "state.<fqn>",
 param_groups listing fqns), so a checkpoint moves between sharc on any number
 of ranks and plain PyTorch. Each rank contributes only what it owns: its
 parameter and optimizer-state shards as ShardedTensors whose local shards
-view the real shard storage (`_sharded_view`). See docs/design/checkpoints.md.
+view the real shard storage (sharded_view.py). See docs/design/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from sharc._sharded_view import copy_into_flat, scalar_view, sharded_view
-from sharc._state_dict_hooks import own_state_dict
-from sharc.api import sharded_root, unwrap_compiled
+from sharc._state import sharded_root, unwrap_compiled
+from sharc.checkpoint.sharded_view import copy_into_flat, scalar_view, sharded_view
+from sharc.checkpoint.state_dict_hooks import own_state_dict
 
 
 def _clean(name: str) -> str:

@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from sharc import _rank_check
-from sharc._module_state import ModuleState, state_of
+from sharc._state import ModuleState, state_of, unwrap_compiled
 
 
 def install(module: torch.nn.Module, state: ModuleState) -> None:
@@ -62,8 +62,6 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
 
 @contextlib.contextmanager
 def _raw(module: torch.nn.Module):
-    from sharc.api import unwrap_compiled
-
     schedule = state_of(unwrap_compiled(module)).schedule
     before, schedule.raw_state_dict = schedule.raw_state_dict, True
     try:

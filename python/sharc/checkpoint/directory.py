@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from sharc.api import sharded_root
-from sharc.checkpoint import get_state_dict, set_state_dict
+from sharc._state import sharded_root
+from sharc.checkpoint.dcp import get_state_dict, set_state_dict
 
 EXTRA_FILE = "extra.json"
 MANIFEST_FILE = "manifest.json"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from sharc import _rank_check
-from sharc._state_dict_hooks import own_state_dict
-from sharc.api import sharded_root
-from sharc.load import load
+from sharc._state import sharded_root
+from sharc.checkpoint.load import load
+from sharc.checkpoint.state_dict_hooks import own_state_dict
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

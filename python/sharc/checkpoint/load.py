@@ -1,5 +1,5 @@
 """Full values into shards: what sharc.load_full_state_dict does, from a
-state dict or straight from a file (_load_sources.py), into a model sharded
+state dict or straight from a file (load_sources.py), into a model sharded
 from the meta device or from real values.
 
 Every key's name, shape and dtype is checked against the model before
@@ -25,10 +25,10 @@ import torch.distributed as dist
 from sharc import _hf_init, _rank_check
 from sharc._flat_chunks import owned_range
 from sharc._host_memory import give_back_freed_memory
-from sharc._load_sources import open_source
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
-from sharc._state_dict_hooks import own_state_dict
-from sharc.api import sharded_root, unwrap_compiled
+from sharc._state import sharded_root, unwrap_compiled
+from sharc.checkpoint.load_sources import open_source
+from sharc.checkpoint.state_dict_hooks import own_state_dict
 
 
 _TRIM_AFTER_BYTES = 1 << 20  # smaller reads come from the heaps' free lists anyway
@@ -47,7 +47,7 @@ class _Target:
 
 
 def load(module: torch.nn.Module, given) -> None:
-    """sharc.load_full_state_dict (see its docstring in state_dict.py)."""
+    """sharc.load_full_state_dict (see its docstring in full_state_dict.py)."""
     root = sharded_root(module)
     model = unwrap_compiled(module)
     source = open_source(given)

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from sharc._module_state import ModuleState, attach
+from sharc._state import ModuleState, attach
 
 
 def _full_param_property(name: str) -> property:

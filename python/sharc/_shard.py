@@ -1,0 +1,182 @@
+"""sharc.shard(): every parameter registered with the group's runtime and
+replaced by its flat shard, each module given its full-parameter access and
+state-dict hooks, and the records of _state.py left behind."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from sharc import _mesh, _validate, mixed_precision
+from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
+from sharc._library import Runtime
+from sharc._param_ref import ShardedParamRef
+from sharc._pending_init import AWAITING as AWAITING_INIT, PendingInit, refuse as refuse_unset
+from sharc._rank_check import RankCheck
+from sharc._state import ModuleState, _ShardedRoot
+from sharc.checkpoint import state_dict_hooks
+from sharc.config import ShardConfig
+from sharc.eager import full_param_access
+from sharc.eager.schedule import EagerSchedule, GatherUnit
+
+
+def _owned_params(module: torch.nn.Module):
+    """(submodule, local name, parameter) for every place a parameter is held,
+    tied parameters once per owning module."""
+    for _, sub in module.named_modules():
+        for local, p in sub._parameters.items():
+            if p is not None:
+                yield sub, local, p
+
+
+def _runtime(group) -> Runtime:
+    return Runtime.for_group(group.group_name)
+
+
+def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = None,
+          mesh=None):
+    """Shards `module`'s parameters over `group` (default: the world), in place.
+
+    Hybrid sharding: `mesh`, a 2-D DeviceMesh with dims ("replicate",
+    "shard") (or `config.replicate_groups`), shards over the mesh's shard
+    dimension and replicates over the other: gradients are reduce-scattered
+    in the shard group, then all-reduced over the replicate group, averaged
+    over every rank as flat sharding does (docs/design/hybrid-sharding.md).
+
+    Afterwards `module.parameters()` yields each rank's flat, padded shard, so
+    any optimizer updates sharded state; forward code is unchanged, each
+    parameter read yielding the gathered full tensor. Tied parameters stay
+    tied, frozen parameters are sharded and never reduced, buffers stay
+    replicated. Collective: every rank of the group must call it.
+
+    A model built on the meta device (`with torch.device("meta"):`) gets
+    only this rank's shards, allocated on `config.device`; it then awaits
+    its values from sharc.init_weights() or sharc.load_full_state_dict()
+    (docs/design/meta-init.md).
+    """
+    config = config or ShardConfig()
+    if not isinstance(config, ShardConfig):
+        raise TypeError(f"sharc.shard(): config must be a sharc.ShardConfig, got {config!r}")
+    groups = _mesh.resolve(group, mesh, config)
+    group = groups.shard
+    _validate.check_not_sharded(module)
+    meta = _validate.built_on_meta(module)
+    if meta:  # only this rank's shards are allocated, there
+        device = _validate.shard_device(config.device, group)
+    else:
+        _validate.check_devices(module, group, config.device)
+        device = None
+    named = list(module.named_parameters())  # unique parameters, canonical names
+    if dist.get_world_size(group) > 1:
+        _validate.check_replicas(named, group, config.verify_replicas)
+    if groups.replicate is not None and dist.get_world_size(groups.replicate) > 1:
+        _validate.check_replicas(named, groups.replicate, config.verify_replicas)
+
+    _validate.check_keep_gathered(config.keep_gathered, named)
+    units = _validate.resolve_gather_units(module, config.gather_units)
+    dtypes = {p: mixed_precision.param_dtypes(fqn, p, config.mixed_precision) for fqn, p in named}
+    runtime = _runtime(group)
+    _mesh.attach(runtime, groups.replicate)
+    if config.verify_schedule:
+        runtime.set_verify_schedule(True)
+    refs_by_param = _register(runtime, group.group_name, named, dtypes, device)
+    _install_optimizer_check()
+    for fqn, p in named:
+        if fqn in config.keep_gathered:
+            runtime.set_persistent(refs_by_param[p].pid, True)
+    unit_ids = {refs_by_param[p].pid for _, unit in units for p in unit.parameters()}
+    checks = RankCheck(group, config.rank_check_timeout_s)
+    schedule = EagerSchedule(list(refs_by_param.values()), unit_ids, config.eager_prefetch,
+                             checks)
+    per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
+    for sub, local, p in _owned_params(module):
+        ref = refs_by_param[p]
+        sub._parameters[local] = ref.shard
+        per_module.setdefault(sub, {})[local] = ref
+    per_module.setdefault(module, {})  # the root too: it refuses deepcopy and casts
+    root = _ShardedRoot(group, runtime, refs_by_param, checks)
+    if meta:
+        root.pending_init = PendingInit(module, device,
+                                        [(r.fqn, r.shard) for r in refs_by_param.values()])
+    for sub, refs in per_module.items():
+        state = ModuleState(refs, schedule, root if sub is module else None)
+        full_param_access.install(sub, state)
+        state_dict_hooks.install(sub, state)
+        sub.register_forward_pre_hook(schedule.forward_pre_hook)
+        sub.register_forward_hook(schedule.forward_hook, always_call=True)
+    for _, unit in units:
+        _install_unit(unit, runtime, root.refs_by_shard, schedule)
+    if config.mixed_precision is not None:
+        mixed_precision.install_casts(module, config.mixed_precision)
+    RECOMPILE_ROOM.add(module)
+    return module
+
+
+def _install_unit(unit: torch.nn.Module, runtime, refs_by_shard, schedule) -> None:
+    refs = [refs_by_shard[id(shard)] for shard in unit.parameters()]  # shards by now, unique
+    if not refs:
+        return
+    for ref in refs:
+        runtime.set_deferred_reduction(ref.pid, True)
+    gather_unit = GatherUnit(runtime, refs)
+    # Registered first, so the unit is gathered before any scope reads it.
+    unit.register_forward_pre_hook(lambda *_: schedule.enter_unit(gather_unit), prepend=True)
+    unit.register_forward_hook(lambda m, i, out: schedule.exit_unit(gather_unit, out),
+                               always_call=True)
+
+
+_REPLACED = "_sharc_replaced_by_shard"
+
+
+def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
+    """Optimizer step pre-hook (every optimizer): an optimizer made before
+    shard() holds the unsharded parameters, which never get a gradient again,
+    so its steps would silently change nothing."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, _REPLACED, None)
+            if name is not None and p.is_meta:
+                raise RuntimeError(
+                    f"sharc: this {type(optimizer).__name__} holds the meta-device parameter "
+                    f"'{name}': it was created from a model built on the meta device, before "
+                    "sharc.shard(). Create the optimizer after shard(), from "
+                    "model.parameters() (the shards)")
+            name = getattr(p, AWAITING_INIT, None)
+            if name is not None:
+                refuse_unset(f"an optimizer step over the shard of '{name}' ran")
+            name = getattr(p, _REPLACED, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"sharc: this {type(optimizer).__name__} was created before "
+                    f"sharc.shard() and still holds the unsharded parameter '{name}', which "
+                    "no longer trains; create the optimizer after shard() from "
+                    "model.parameters() (the shards)")
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_check_optimizer_params)
+
+
+def _register(runtime, group_name: str, named, dtypes,
+              device: torch.device | None) -> dict[torch.nn.Parameter, ShardedParamRef]:
+    """Registers every parameter: from its value, or, for a model built on the
+    meta device (`device` given), from its shape and dtype only."""
+    refs = {}
+    for fqn, p in named:
+        if device is None:
+            pid = runtime.register_param(p.detach(), fqn)
+        else:
+            pid = runtime.register_empty(list(p.shape), p.dtype, device, fqn)
+        shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
+        d = dtypes[p]
+        if d.grad != p.dtype:
+            shard.grad_dtype = d.grad  # accumulated in the dtype the user asked for
+        runtime.set_spec(pid, d.gather, d.reduce, d.grad)
+        refs[p] = ShardedParamRef(runtime, group_name, pid, fqn, tuple(p.shape), shard, d.gather)
+        setattr(p, _REPLACED, fqn)  # the original no longer trains
+    return refs
