@@ -1,8 +1,9 @@
 // torch.classes.sharc.Runtime: the Python face of a group's Runtime.
 //
 // Python obtains the group's Runtime with Runtime.for_group(name) and drives
-// registration, eager release and statistics through it; everything else
-// goes through torch.ops.sharc operators.
+// registration, eager release (release(id, mode), the mode by name) and
+// statistics through it; everything else goes through torch.ops.sharc
+// operators.
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -28,9 +29,14 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("load_full", &sharc::Runtime::load_full)
       .def("gather", &sharc::Runtime::gather)
       .def("read_full", &sharc::Runtime::read_full)
-      .def("release", &sharc::Runtime::release)
-      .def("release_or_hand_over", &sharc::Runtime::release_or_hand_over)
-      .def("hand_over", &sharc::Runtime::hand_over)
+      // release(id, mode): mode by name, "free", "free_or_hand_over" or
+      // "hand_over" (sharc::ReleaseMode); returns whether the parameter got
+      // a fresh buffer because the old one was handed over.
+      .def("release",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t id,
+              const std::string& mode) {
+             return self->release(id, sharc::release_mode_from_name(mode));
+           })
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("is_persistent", &sharc::Runtime::is_persistent)
