@@ -17,12 +17,22 @@ c10::intrusive_ptr<Runtime> for_group(std::string group_name) {
   return RuntimeTable::instance().get_or_create(group_name);
 }
 
+c10::Dict<std::string, int64_t> graph_kinds() {
+  c10::Dict<std::string, int64_t> kinds;
+  kinds.insert("forward", kForwardGraph);
+  kinds.insert("backward", kBackwardGraph);
+  return kinds;
+}
+
 }  // namespace
 }  // namespace sharc
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.class_<sharc::Runtime>("Runtime")
       .def_static("for_group", &sharc::for_group)
+      // The GraphKind numbers by name ("forward", "backward"): Python's
+      // only source for them (sharc/_compile/ops.py).
+      .def_static("graph_kinds", &sharc::graph_kinds)
       .def("register_param", &sharc::Runtime::register_param)
       .def("register_empty", &sharc::Runtime::register_empty)
       .def("shard", &sharc::Runtime::shard)

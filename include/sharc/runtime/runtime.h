@@ -136,7 +136,9 @@ struct ShardedParam {
   void retype_base(c10::ScalarType dtype);
 };
 
-/// The kinds of compiled graphs, as sharc/_compile/ops.py numbers them.
+/// The kinds of compiled graphs. Python reads these numbers from
+/// Runtime.graph_kinds() (sharc/_compile/ops.py), so they are written here
+/// only.
 enum GraphKind : int64_t { kForwardGraph = 0, kBackwardGraph = 1 };
 
 /// What Runtime::release does with a gathered buffer when its last hold
