@@ -12,7 +12,8 @@ operator's path: c10 tests the storage's flag on data access whether it is
 set or not. The cost is the release call itself, measured here:
 
 - per call, for each parameter of the benchmark's GPT (4 layers, 256 wide):
-  the compiled path's `release` and the eager path's `release_or_hand_over`,
+  the compiled path's `release(id, "free")` and the eager path's
+  `release(id, "free_or_hand_over")`,
   each timed alone after a gather, against a call of the same binding that
   does nothing (`state`), which is what Python's call into the runtime costs;
 - per step: the releases one eager training step makes (its `sharc::release`
@@ -39,7 +40,8 @@ from sharc.launch import launch
 
 
 def _per_call_us(runtime, pids: list[int], call: str, rounds: int) -> float:
-    """Median µs of one `call` on a gathered parameter (or of `state`)."""
+    """Median µs of one release in mode `call` on a gathered parameter (or
+    of `state`)."""
     times = []
     for _ in range(rounds):
         for pid in pids:
@@ -51,7 +53,7 @@ def _per_call_us(runtime, pids: list[int], call: str, rounds: int) -> float:
             full = runtime.gather(pid)  # collective: every rank runs the same loop
             del full
             t0 = time.perf_counter()
-            getattr(runtime, call)(pid)
+            runtime.release(pid, call)
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
 
@@ -72,7 +74,7 @@ def _rank_main(args) -> None:
     root = sharded_root(model)
     pids = sorted({ref.pid for ref in root.refs_by_shard.values()})
     costs = {call: _per_call_us(root.runtime, pids, call, args.rounds)
-             for call in ("state", "release", "release_or_hand_over")}
+             for call in ("state", "free", "free_or_hand_over")}
     opt, data = adamw(model), CharDataset()
     for s in range(3):
         _step(model, opt, data, s, rank, world)
@@ -98,8 +100,8 @@ def _report(everyone: list[dict], args) -> None:
     step_ms = max(r["step_ms"] for r in everyone)
     releases = everyone[0]["releases"]
     rows = []
-    for call, path in (("release", "compiled (release)"),
-                       ("release_or_hand_over", "eager (release_or_hand_over)")):
+    for call, path in (("free", "compiled (release, \"free\")"),
+                       ("free_or_hand_over", "eager (release, \"free_or_hand_over\")")):
         us = max(r["costs"][call] for r in everyone)
         rows.append({"path": path, "us_per_release": round(us, 2),
                      "us_above_binding_call": round(us - base, 2),

@@ -22,10 +22,11 @@ the same kind pass).
 from __future__ import annotations
 
 import datetime
-import hashlib
 
 import torch
 import torch.distributed as dist
+
+from sharc._fingerprint import fingerprint
 
 # What a rank is about to do, as the first element exchanged.
 (OUTSIDE_READ, FULL_STATE_DICT, LOAD_FULL_STATE_DICT, UNSHARDED, MODULE_STATE_DICT,
@@ -95,9 +96,7 @@ def _describe(rank: int, t: torch.Tensor) -> str:
 def checksum(named: dict[str, torch.Tensor]) -> int:
     """An order-sensitive 63-bit hash of names, shapes, dtypes and bytes:
     two entries swapped, or one element changed, give another value."""
-    h = hashlib.blake2b(digest_size=8)
+    parts: list[str | torch.Tensor] = []
     for name, t in named.items():
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        data = t.detach().to("cpu").contiguous()
-        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return int.from_bytes(h.digest(), "little") >> 1
+        parts += [f"{name}:{tuple(t.shape)}:{t.dtype};", t]
+    return fingerprint(*parts)

@@ -3,11 +3,10 @@ message that says what is wrong and how to fix it."""
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.distributed as dist
 
+from sharc._fingerprint import fingerprint
 from sharc._state import state_of
 
 # Device types each c10d backend can communicate.
@@ -106,18 +105,10 @@ def check_devices(module: torch.nn.Module, group, wanted: torch.device | None = 
                 ".cuda() for nccl) or use a group with a matching backend")
 
 
-def _digest(p: torch.Tensor) -> str:
-    """A hash of the parameter's raw bytes, element by element in row-major
-    order: any changed or moved element changes it (a sum would not see two
-    swapped values)."""
-    raw = p.detach().reshape(-1).contiguous().cpu().view(torch.uint8)  # any dtype, bf16 too
-    return hashlib.blake2b(raw.numpy(), digest_size=16).hexdigest()
-
-
 def _signature(named_params, checksum: bool) -> list[tuple]:
     sig = []
     for fqn, p in named_params:
-        value = _digest(p) if checksum and not p.is_meta else ""  # meta: no values yet
+        value = fingerprint(p) if checksum and not p.is_meta else ""  # meta: no values yet
         sig.append((fqn, tuple(p.shape), str(p.dtype), value))
     return sig
 

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 from sharc import _rank_check
-from sharc._state import state_of
-from sharc._validate import _digest
-from sharc._state import sharded_root, unwrap_compiled
+from sharc._fingerprint import fingerprint
+from sharc._state import sharded_root, state_of, unwrap_compiled
 
 
 @contextlib.contextmanager
@@ -41,13 +40,13 @@ def unsharded(module: torch.nn.Module, writeback: bool = False):
     with torch.no_grad():
         fulls = {ref.pid: root.runtime.read_full(ref.pid) for ref in refs}
     # By value, not version counter: writes through `.data` bump no counter.
-    before = {pid: _digest(t) for pid, t in fulls.items()}
+    before = {pid: fingerprint(t) for pid, t in fulls.items()}
     schedule.unsharded = fulls
     try:
         yield module
     finally:
         schedule.unsharded = None
-    changed = [ref for ref in refs if _digest(fulls[ref.pid]) != before[ref.pid]]
+    changed = [ref for ref in refs if fingerprint(fulls[ref.pid]) != before[ref.pid]]
     if writeback:
         _check_same_changes(changed, fulls, root.group)
         with torch.no_grad():
@@ -64,7 +63,7 @@ def _check_same_changes(changed, fulls, group) -> None:
     """One collective: every rank changed the same parameters to the same
     values (a change made on one rank only would leave each rank's shard
     from a different model)."""
-    mine = [(ref.fqn, _digest(fulls[ref.pid])) for ref in changed]
+    mine = [(ref.fqn, fingerprint(fulls[ref.pid])) for ref in changed]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):

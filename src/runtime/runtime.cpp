@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -428,41 +429,57 @@ at::Tensor Runtime::read_full(int64_t id) {
       .narrow(0, 0, p.layout.numel).clone().view(p.shape);
 }
 
-void Runtime::release(int64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
-  ShardedParam& p = param(id);
-  if (p.state.release()) {
-    p.free_base();
-    accounting_.on_freed(p.full_bytes());
-    p.handed_out.clear();
+namespace {
+
+constexpr std::pair<ReleaseMode, const char*> kReleaseModeNames[] = {
+    {ReleaseMode::kFree, "free"},
+    {ReleaseMode::kFreeOrHandOver, "free_or_hand_over"},
+    {ReleaseMode::kHandOver, "hand_over"},
+};
+
+}  // namespace
+
+ReleaseMode release_mode_from_name(const std::string& name) {
+  std::string valid;
+  for (const auto& [mode, mode_name] : kReleaseModeNames) {
+    if (name == mode_name) return mode;
+    valid += std::string(valid.empty() ? "'" : ", '") + mode_name + "'";
   }
+  throw Error(detail::concat("sharc: unknown release mode '", name, "'; the modes are ", valid));
 }
 
-bool Runtime::release_or_hand_over(int64_t id) {
+bool Runtime::release(int64_t id, ReleaseMode mode) {
   std::lock_guard<std::mutex> lock(mutex_);
   RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
   ShardedParam& p = param(id);
-  // Checks per release, nothing on any operator's path.
-  const bool written = p.take_in_place_write();
-  const bool handed_over = p.state.release() && finish_release_locked(p);
-  SHARC_CHECK(!written, in_place_write_error(p));
-  return handed_over;
-}
-
-bool Runtime::hand_over(int64_t id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  RECORD_FUNCTION("sharc::release", std::vector<c10::IValue>());
-  ShardedParam& p = param(id);
-  const bool written = p.take_in_place_write();
-  const bool last = p.state.release();
-  if (last) {
-    accounting_.on_freed(p.full_bytes());
-    p.handed_out.clear();
-    p.renew_base();
+  switch (mode) {
+    case ReleaseMode::kFree:
+      if (p.state.release()) {
+        p.free_base();
+        accounting_.on_freed(p.full_bytes());
+        p.handed_out.clear();
+      }
+      return false;
+    case ReleaseMode::kFreeOrHandOver: {
+      // Checks per release, nothing on any operator's path.
+      const bool written = p.take_in_place_write();
+      const bool handed_over = p.state.release() && finish_release_locked(p);
+      SHARC_CHECK(!written, in_place_write_error(p));
+      return handed_over;
+    }
+    case ReleaseMode::kHandOver: {
+      const bool written = p.take_in_place_write();
+      const bool last = p.state.release();
+      if (last) {
+        accounting_.on_freed(p.full_bytes());
+        p.handed_out.clear();
+        p.renew_base();
+      }
+      SHARC_CHECK(!written, in_place_write_error(p));
+      return last;
+    }
   }
-  SHARC_CHECK(!written, in_place_write_error(p));
-  return last;
+  throw Error(detail::concat("sharc: unknown release mode ", static_cast<int64_t>(mode)));
 }
 
 bool Runtime::finish_release_locked(ShardedParam& p) {

@@ -1,8 +1,9 @@
 // torch.classes.sharc.Runtime: the Python face of a group's Runtime.
 //
 // Python obtains the group's Runtime with Runtime.for_group(name) and drives
-// registration, eager release and statistics through it; everything else
-// goes through torch.ops.sharc operators.
+// registration, eager release (release(id, mode), the mode by name) and
+// statistics through it; everything else goes through torch.ops.sharc
+// operators.
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -16,21 +17,36 @@ c10::intrusive_ptr<Runtime> for_group(std::string group_name) {
   return RuntimeTable::instance().get_or_create(group_name);
 }
 
+c10::Dict<std::string, int64_t> graph_kinds() {
+  c10::Dict<std::string, int64_t> kinds;
+  kinds.insert("forward", kForwardGraph);
+  kinds.insert("backward", kBackwardGraph);
+  return kinds;
+}
+
 }  // namespace
 }  // namespace sharc
 
 TORCH_LIBRARY_FRAGMENT(sharc, m) {
   m.class_<sharc::Runtime>("Runtime")
       .def_static("for_group", &sharc::for_group)
+      // The GraphKind numbers by name ("forward", "backward"): Python's
+      // only source for them (sharc/_compile/ops.py).
+      .def_static("graph_kinds", &sharc::graph_kinds)
       .def("register_param", &sharc::Runtime::register_param)
       .def("register_empty", &sharc::Runtime::register_empty)
       .def("shard", &sharc::Runtime::shard)
       .def("load_full", &sharc::Runtime::load_full)
       .def("gather", &sharc::Runtime::gather)
       .def("read_full", &sharc::Runtime::read_full)
-      .def("release", &sharc::Runtime::release)
-      .def("release_or_hand_over", &sharc::Runtime::release_or_hand_over)
-      .def("hand_over", &sharc::Runtime::hand_over)
+      // release(id, mode): mode by name, "free", "free_or_hand_over" or
+      // "hand_over" (sharc::ReleaseMode); returns whether the parameter got
+      // a fresh buffer because the old one was handed over.
+      .def("release",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t id,
+              const std::string& mode) {
+             return self->release(id, sharc::release_mode_from_name(mode));
+           })
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("is_persistent", &sharc::Runtime::is_persistent)

@@ -11,8 +11,9 @@
 //       Blocks until gathered, takes one hold per parameter and returns the
 //       true-shape full tensors in `dtype`, aliases of the runtime's buffers.
 //   release(full, after, group, param) -> ()
-//       Drops the hold; the last one frees the buffer's bytes in place, so
-//       references a compiler keeps until its graph ends hold no memory.
+//       Drops the hold (Runtime::release, ReleaseMode::kFree); the last one
+//       frees the buffer's bytes in place, so references a compiler keeps
+//       until its graph ends hold no memory.
 //       `after` (the last user's outputs) ties the release to that use.
 //   start_reduce_scatter(grads, group, params) -> token
 //       Non-blocking reduce-scatter of several gradients in one collective.
@@ -86,7 +87,7 @@ std::vector<at::Tensor> wait_gather_meta(const at::Tensor& token, const std::str
 
 void release_kernel(const at::Tensor& full, at::TensorList after, const std::string& group,
                     int64_t param) {
-  RuntimeTable::instance().get(group)->release(param);
+  RuntimeTable::instance().get(group)->release(param, ReleaseMode::kFree);
 }
 
 void release_meta(const at::Tensor& full, at::TensorList after, const std::string& group,

@@ -115,7 +115,7 @@ def _release_frees(rank, world):
     gathered = torch.cuda.memory_allocated()
     ptr = full.data_ptr()
     del full
-    runtime.release(0)
+    runtime.release(0, "free")
     torch.cuda.synchronize()
     released = torch.cuda.memory_allocated()
     reserved = torch.cuda.memory_reserved()
@@ -176,7 +176,7 @@ def _free_while_read(rank, world):
     torch.cuda._sleep(int(1e8))  # ~50 ms of GPU time: the matmul starts long after the release
     out = x @ full.t()
     del full
-    runtime.release(0)
+    runtime.release(0, "free")
     # The released block's size (the weight and one header, rounded by the
     # allocator): an older free block of the bare weight's size is too small.
     numel = (2048 * 2048 * 4 + HEADER_BYTES + 3) // 4
@@ -204,7 +204,7 @@ def _bf16_gather(rank, world):
     sharc.shard(lin, config=sharc.ShardConfig(
         mixed_precision=sharc.MixedPrecision(param_dtype=torch.bfloat16)))
     gathered = sharded_root(lin).runtime.gather(0).clone()
-    sharded_root(lin).runtime.release(0)
+    sharded_root(lin).runtime.release(0, "free")
     return torch.equal(gathered.cpu(), full.to(torch.bfloat16).cpu()), gathered.dtype
 
 

@@ -47,12 +47,12 @@ def _gathers_in(rank, world, dtype):
     reference = [rt.read_full(pid).to(dtype) for pid in ids]  # gather fp32, then cast
     single = [rt.gather(pid).clone() for pid in ids]  # one collective each
     for pid in ids:
-        rt.release(pid)
+        rt.release(pid, "free")
     sent_single = rt.stats()["allgather_bytes"]
     rt.start_gather(ids)  # one collective through a staging buffer
     bucket = [t.clone() for t in rt.wait_gather(ids)]
     for pid in ids:
-        rt.release(pid)
+        rt.release(pid, "free")
     return reference, single, bucket, sent_single, rt.stats()["gathered_bytes"]
 
 

@@ -115,6 +115,9 @@ struct Node {
 };
 
 struct Param {
+  /// The graph's own number for it (`@id`), not the runtime's id: the
+  /// bridge names a parameter "group/runtime id" (docs/architecture.md,
+  /// "One parameter, four names").
   int64_t id = 0;
   std::string name;
   int64_t bytes = 0;                 ///< bytes of the full (gathered) parameter

@@ -143,7 +143,10 @@ class CollectiveAgreement {
   static Verdict judge_bits(const std::vector<int64_t>& sums, int64_t world);
 
   /// Rolling fingerprint of a collective: FNV-1a over its kind, dtype and
-  /// parameter ids, in order.
+  /// parameter ids, in order. Apart from Python's one fingerprint of what
+  /// ranks compare (python/sharc/_fingerprint.py, blake2b over names and
+  /// bytes, once per call): this one runs on every collective, on the hot
+  /// path, in the torch-free core, over a few integers.
   static uint64_t fingerprint(int64_t kind, int64_t dtype, const std::vector<int64_t>& ids);
 
  private:

@@ -138,8 +138,39 @@ struct ShardedParam {
   void retype_base(c10::ScalarType dtype);
 };
 
-/// The kinds of compiled graphs, as sharc/_compile/ops.py numbers them.
+/// The kinds of compiled graphs. Python reads these numbers from
+/// Runtime.graph_kinds() (sharc/_compile/ops.py), so they are written here
+/// only.
 enum GraphKind : int64_t { kForwardGraph = 0, kBackwardGraph = 1 };
+
+/// What Runtime::release does with a gathered buffer when its last hold
+/// goes. Python names them by string (release_mode_from_name).
+enum class ReleaseMode : int64_t {
+  /// Frees the bytes in place, whoever still references them: the compiled
+  /// path's release (the sharc::release op), where a compiler keeps
+  /// references until its graph ends. Python: "free".
+  kFree = 0,
+  /// The eager path's release: frees, unless a handed-out full tensor is
+  /// still alive (a gathered weight a user kept, or a view or array of it,
+  /// which keeps it alive); then the buffer is handed over to those
+  /// references, which stay valid (the values of that gather) and take the
+  /// memory with them, and the parameter gets a fresh buffer for its next
+  /// gather. (Storage use counts cannot tell: a communication library may
+  /// still hold views of a finished collective's output for a while.)
+  /// Python: "free_or_hand_over".
+  kFreeOrHandOver = 1,
+  /// Always hands the buffer over to whatever still references its storage
+  /// (freed with the last reference, as any tensor's memory), and the
+  /// parameter gets a fresh buffer: for a forward whose saved tensors
+  /// another saved-tensor hook pair keeps (activation checkpointing's
+  /// recomputation keeps detached aliases, which handed-out tracking cannot
+  /// see). Python: "hand_over".
+  kHandOver = 2,
+};
+
+/// The mode of a Python name ("free", "free_or_hand_over", "hand_over");
+/// any other name raises sharc::Error naming the valid ones.
+ReleaseMode release_mode_from_name(const std::string& name);
 
 class Runtime : public torch::CustomClassHolder {
  public:
@@ -212,30 +243,14 @@ class Runtime : public torch::CustomClassHolder {
   /// op): one all-gather of the shard into a fresh buffer, counted as
   /// gathered while it runs. Leaves the parameter's own buffer as it is.
   at::Tensor read_full(int64_t id);
-  /// Drops one hold; the last one frees the buffer's bytes in place (not for
-  /// persistent parameters), whoever still references them: the compiled
-  /// path's release, where a compiler keeps references until its graph ends.
-  /// Does not communicate.
-  void release(int64_t id);
-  /// The eager path's release: as release(), except that a buffer whose
-  /// handed-out full tensor is still alive when its last hold goes (a
-  /// gathered weight a user kept, or a view or array of it, which keeps it
-  /// alive) is handed over to those references instead of freed, so they
-  /// stay valid (the values of that gather) and the memory goes when they
-  /// do; the parameter gets a fresh buffer for its next gather. Returns
-  /// whether it handed one over. (Storage use counts cannot tell: a
-  /// communication library may still hold views of a finished collective's
-  /// output for a while.)
-  /// Raises (after releasing) when a handed-out tensor was written in
+  /// Drops one hold on a gathered parameter; what the last hold does with
+  /// the buffer is `mode`'s (see ReleaseMode; persistent parameters keep
+  /// theirs). Returns whether the parameter got a fresh buffer because the
+  /// old one was handed over to references outside the runtime (never for
+  /// kFree). Does not communicate. Raises (after releasing) under
+  /// kFreeOrHandOver and kHandOver when a handed-out tensor was written in
   /// place: the write would be lost.
-  bool release_or_hand_over(int64_t id);
-  /// As release_or_hand_over(), except that the last hold always hands the
-  /// buffer over to whatever still references its storage (freed with the
-  /// last reference, as any tensor's memory): for a forward whose saved
-  /// tensors another saved-tensor hook pair keeps (activation
-  /// checkpointing's recomputation keeps detached aliases, which
-  /// handed-out tracking cannot see). Returns whether this was the last hold.
-  bool hand_over(int64_t id);
+  bool release(int64_t id, ReleaseMode mode);
   /// Blocking: sums the full gradient over the group, divides by the world
   /// size and returns this rank's flat shard of it.
   at::Tensor reduce_scatter(int64_t id, const at::Tensor& full_grad);

@@ -28,9 +28,11 @@ fx.node.has_side_effect(START_REDUCE_SCATTER)
 fx.node.has_side_effect(PREFETCH_NEXT_GRAPH)
 fx.node.has_side_effect(START_REPLICATE_ALL_REDUCE)
 
-FORWARD_GRAPH, BACKWARD_GRAPH = 0, 1
+_GRAPH_KINDS = torch.classes.sharc.Runtime.graph_kinds()  # the C++ GraphKind
+FORWARD_GRAPH, BACKWARD_GRAPH = _GRAPH_KINDS["forward"], _GRAPH_KINDS["backward"]
 """The graph kinds the runtime orders compiled graphs by (cross-graph
-prefetch follows a graph only by one of its own kind)."""
+prefetch follows a graph only by one of its own kind), read from the
+runtime so the two cannot drift."""
 
 
 def is_call(node: fx.Node, target) -> bool:

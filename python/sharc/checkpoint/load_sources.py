@@ -7,7 +7,6 @@ the rows its range touches)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -15,6 +14,7 @@ import os
 import torch
 
 from sharc import _rank_check
+from sharc._fingerprint import fingerprint
 
 
 class DictSource:
@@ -169,11 +169,8 @@ class SafetensorsSource:
 def _metadata_fingerprint(source, keys: list[str], sizes: list[int]) -> int:
     """Names, shapes, dtypes and file sizes, without reading values: ranks
     reading different files (or versions of one) disagree."""
-    h = hashlib.blake2b(digest_size=8)
-    for key in keys:
-        h.update(f"{key}:{source.shape(key)}:{source.dtype(key)};".encode())
-    h.update(repr(sizes).encode())
-    return int.from_bytes(h.digest(), "little") >> 1
+    return fingerprint(*(f"{key}:{source.shape(key)}:{source.dtype(key)};" for key in keys),
+                       repr(sizes))
 
 
 def open_source(given) -> DictSource | TorchFileSource | SafetensorsSource:

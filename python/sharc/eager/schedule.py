@@ -306,7 +306,7 @@ class EagerSchedule:
             # see every save it saw the first time; `save_on_cpu` around the
             # model), sharc leaves every save to it. A gathered parameter
             # saved there lives as long as that pair keeps it, so its buffer
-            # is handed over at release (Runtime::hand_over), quietly: that
+            # is handed over at release (release mode "hand_over"), quietly: that
             # is the pair's design, not a user's kept reference.
             self._delegating_saves = _saved_tensor_hooks_active()
             if not self._delegating_saves:
@@ -441,10 +441,10 @@ class EagerSchedule:
         its last hold goes (a kept `module.weight`, a view, a numpy array) is
         handed to those references rather than freed under them."""
         if self._delegating_saves:
-            if ref.runtime.hand_over(ref.pid):
+            if ref.runtime.release(ref.pid, "hand_over"):
                 self._rekey_base(ref)
             return
-        if not ref.runtime.release_or_hand_over(ref.pid):
+        if not ref.runtime.release(ref.pid, "free_or_hand_over"):
             return
         self._rekey_base(ref)
         if ref.pid not in self._warned_kept:
