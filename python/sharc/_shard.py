@@ -89,7 +89,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     unit_ids = {refs_by_param[p].pid for _, unit in units for p in unit.parameters()}
     checks = RankCheck(group, config.rank_check_timeout_s)
     schedule = EagerSchedule(list(refs_by_param.values()), unit_ids, config.eager_prefetch,
-                             checks)
+                             checks, config.eager_reduce_bucket_bytes)
     per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
     for sub, local, p in _owned_params(module):
         ref = refs_by_param[p]

@@ -51,6 +51,15 @@ class ShardConfig:
     (and a bucket's staging) instead of one parameter at a time; see
     src/core/pass_recording.h (the runtime decides)."""
 
+    eager_reduce_bucket_bytes: int = 4 << 20
+    """Outside compiled graphs, gradients are reduce-scattered
+    asynchronously in buckets drawn in forward: a bucket closes at the end
+    of the first module's forward that brings it to this many bytes of full
+    gradients (in the reduce dtype), so a bucket is one module or a run of
+    small neighbouring ones. 0: one bucket per module. Larger buckets mean
+    fewer collectives and more gradient memory in flight (at most two
+    buckets); see src/runtime/eager_reduction.h."""
+
     rank_check_timeout_s: float = 120.0
     """How long a rank waits for the others at a call every rank must make
     although it looks local (a parameter read outside forward,
@@ -110,6 +119,10 @@ class ShardConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError("ShardConfig.rank_check_timeout_s must be a number of seconds > 0, "
                              f"got {timeout!r}")
+        size = self.eager_reduce_bucket_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError("ShardConfig.eager_reduce_bucket_bytes must be a whole number of "
+                             f"bytes >= 0, got {size!r}")
         for name in ("verify_replicas", "verify_schedule", "eager_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(

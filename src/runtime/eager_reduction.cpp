@@ -128,19 +128,19 @@ class ReduceWait : public torch::autograd::Node {
 
 }  // namespace
 
-void EagerReduction::enter_module() {
+void EagerReduction::enter_module(int64_t root) {
   std::lock_guard<std::mutex> lock(mutex_);
-  ++depth_;
+  open_roots_.push_back(root);
 }
 
 void EagerReduction::exit_module() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (depth_ > 0) --depth_;
+  if (!open_roots_.empty()) open_roots_.pop_back();
   if (close_at_exit_) {
     open_.reset();
     close_at_exit_ = false;
   }
-  if (depth_ == 0) {  // the forward is over: the next one draws afresh
+  if (open_roots_.empty()) {  // the forward is over: the next one draws afresh
     open_.reset();
     last_opened_at_ = 0;
   }
@@ -151,11 +151,11 @@ int64_t EagerReduction::in_flight() {
   return static_cast<int64_t>(in_flight_.size());
 }
 
-void EagerReduction::set_bucket_bytes(int64_t bytes) {
+void EagerReduction::set_bucket_bytes(int64_t root, int64_t bytes) {
   SHARC_CHECK(bytes >= 0, "sharc: the eager reduction bucket size must be at least 0 bytes, "
               "got ", bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  bucket_bytes_ = bytes;
+  bucket_bytes_[root] = bytes;
 }
 
 std::shared_ptr<EagerBucket> EagerReduction::open_bucket_locked(int64_t id) {
@@ -187,7 +187,11 @@ void EagerReduction::connect(at::Tensor& full, const at::Tensor& shard, int64_t 
     const int64_t reduce_bytes =
         full.numel() * static_cast<int64_t>(c10::elementSize(runtime_.spec(id).reduce_dtype));
     bucket->add_slot(id, reduce_bytes, runtime_.reduction_deferred(id));
-    if (bucket->bytes >= bucket_bytes_) close_at_exit_ = true;
+    const auto limit = open_roots_.empty() ? bucket_bytes_.end()
+                                           : bucket_bytes_.find(open_roots_.back());
+    if (bucket->bytes >= (limit == bucket_bytes_.end() ? kDefaultBucketBytes : limit->second)) {
+      close_at_exit_ = true;
+    }
   }
   auto wait = make_node<ReduceWait>(bucket->wait_at, owner, bucket, slot);
   wait->set_next_edges(torch::autograd::collect_next_edges(shard));

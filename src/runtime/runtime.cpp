@@ -388,7 +388,7 @@ at::Tensor Runtime::gather(int64_t id) {
 }
 
 void Runtime::enter_module(int64_t root) {
-  eager_reduction_.enter_module();
+  eager_reduction_.enter_module(root);
   eager_prefetch_.enter_module(root);
 }
 

@@ -77,8 +77,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
              self->eager_prefetch().end_backward(root);
            })
       .def("set_eager_bucket_bytes",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t bytes) {
-             self->eager_reduction().set_bucket_bytes(bytes);
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t bytes) {
+             self->eager_reduction().set_bucket_bytes(root, bytes);
            })
       .def("eager_reductions_started",
            [](const c10::intrusive_ptr<sharc::Runtime>& self) {

@@ -41,10 +41,10 @@ def _reductions(rank, world, bucket_bytes):
     import sharc
 
     model = Stack()
-    sharc.shard(model)
+    config = (sharc.ShardConfig() if bucket_bytes is None
+              else sharc.ShardConfig(eager_reduce_bucket_bytes=bucket_bytes))
+    sharc.shard(model, config=config)
     runtime = _runtime()
-    if bucket_bytes is not None:
-        runtime.set_eager_bucket_bytes(bucket_bytes)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     sharc.reset_memory_stats()
     started = runtime.eager_reductions_started()
@@ -63,6 +63,11 @@ def test_reductions_overlap_backward_in_buckets_of_modules():
         assert started == calls == 6
         assert max(seen) >= 1, seen
         assert left == 0
+    # A layer's gradients are 4224 bytes: at 5000 a bucket closes after its
+    # second layer, three collectives.
+    for started, calls, seen, left in run_ranks(_reductions, WORLD, 5000):
+        assert started == calls == 3
+        assert left == 0
     # The default bucket (4 MiB) holds every layer of this small model: one
     # collective in all.
     for started, calls, seen, left in run_ranks(_reductions, WORLD, None):
@@ -74,8 +79,8 @@ def _consumers(rank, world):
     import sharc
 
     model = make_parity_model()
-    sharc.shard(model)
-    _runtime().set_eager_bucket_bytes(0)  # many buckets, many reductions in flight
+    # One bucket per module: many reductions, several in flight.
+    sharc.shard(model, config=sharc.ShardConfig(eager_reduce_bucket_bytes=0))
     x, y = global_batch(0, 4)
     x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -41,6 +41,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -63,10 +64,12 @@ class EagerReduction {
 
   explicit EagerReduction(Runtime& runtime) : runtime_(runtime) {}
 
-  /// A module's forward begins and ends (the eager schedule's scope).
-  void enter_module();
+  /// A module of sharded root `root` begins its forward, and ends it (the
+  /// eager schedule's scope).
+  void enter_module(int64_t root);
   void exit_module();
-  void set_bucket_bytes(int64_t bytes);
+  /// Where root `root`'s buckets close (ShardConfig.eager_reduce_bucket_bytes).
+  void set_bucket_bytes(int64_t root, int64_t bytes);
 
   /// Wires `full`, just gathered from `shard` (parameter `id`, no autograd
   /// history yet), into autograd: its gradient is reduced through the open
@@ -94,8 +97,8 @@ class EagerReduction {
 
   Runtime& runtime_;
   std::mutex mutex_;
-  int64_t bucket_bytes_ = kDefaultBucketBytes;
-  int64_t depth_ = 0;                    ///< modules open in forward
+  std::map<int64_t, int64_t> bucket_bytes_;  ///< by root; kDefaultBucketBytes if unset
+  std::vector<int64_t> open_roots_;      ///< the root of each module open in forward
   std::shared_ptr<EagerBucket> open_;    ///< where this forward's gathers go
   bool close_at_exit_ = false;           ///< open_ is full: closes at the next exit
   uint64_t last_opened_at_ = 0;          ///< sequence number the last bucket opened at

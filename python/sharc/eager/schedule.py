@@ -254,7 +254,8 @@ class EagerSchedule:
     """Gather/release policy for one sharded root module (see the note above)."""
 
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
-                 prefetch: bool = True, checks: RankCheck | None = None):
+                 prefetch: bool = True, checks: RankCheck | None = None,
+                 reduce_bucket_bytes: int = 4 << 20):
         self._scopes: list[_Scope] = []
         # The runtime decides what to gather ahead and how gradients are
         # reduced, from the events reported here: where each module's
@@ -265,6 +266,7 @@ class EagerSchedule:
         self._root = next(_ROOT_KEYS)
         if self._runtime is not None:  # gather units gather on their own
             self._runtime.set_eager_prefetch(self._root, prefetch, sorted(unit_ids))
+            self._runtime.set_eager_bucket_bytes(self._root, reduce_bucket_bytes)
         self.checks = checks  # reads outside forward are collective: checked first
         self._saved_hooks = None
         self._delegating_saves = False  # another saved-tensor hook pair is active
