@@ -23,7 +23,8 @@ struct EagerBucket {
   int64_t bytes = 0;      ///< of the full gradients
   uint64_t wait_at = 0;   ///< the wait nodes' sequence number (see the note)
   // One backward pass:
-  int64_t to_reduce = 0;  ///< slots whose gradients a collective carries (not a unit's)
+  std::vector<bool> deferred;  ///< by slot: a gather unit's, held back (no collective)
+  int64_t to_reduce = 0;       ///< slots not deferred
   std::vector<bool> delivered;
   int64_t delivered_count = 0;
   int64_t collected_count = 0;  ///< of the to_reduce slots
@@ -32,10 +33,11 @@ struct EagerBucket {
   std::vector<at::Tensor> results;               ///< reduced, not taken yet
 
   bool holds(int64_t id) const { return std::find(ids.begin(), ids.end(), id) != ids.end(); }
-  void add_slot(int64_t id, int64_t grad_bytes, bool deferred) {
+  void add_slot(int64_t id, int64_t grad_bytes, bool held) {
     ids.push_back(id);
     bytes += grad_bytes;
-    if (!deferred) ++to_reduce;
+    deferred.push_back(held);
+    if (!held) ++to_reduce;
     delivered.push_back(false);
     run_of.emplace_back();
     results.emplace_back();
@@ -177,15 +179,14 @@ std::shared_ptr<EagerBucket> EagerReduction::open_bucket_locked(int64_t id) {
 }
 
 void EagerReduction::connect(at::Tensor& full, const at::Tensor& shard, int64_t id,
-                             c10::intrusive_ptr<Runtime> owner) {
+                             c10::ScalarType reduce, c10::intrusive_ptr<Runtime> owner) {
   std::shared_ptr<EagerBucket> bucket;
   size_t slot = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     bucket = open_bucket_locked(id);
     slot = bucket->ids.size();
-    const int64_t reduce_bytes =
-        full.numel() * static_cast<int64_t>(c10::elementSize(runtime_.spec(id).reduce_dtype));
+    const int64_t reduce_bytes = full.numel() * static_cast<int64_t>(c10::elementSize(reduce));
     bucket->add_slot(id, reduce_bytes, runtime_.reduction_deferred(id));
     const auto limit = open_roots_.empty() ? bucket_bytes_.end()
                                            : bucket_bytes_.find(open_roots_.back());
@@ -210,15 +211,14 @@ void EagerReduction::deliver(const std::shared_ptr<EagerBucket>& bucket, size_t 
   // A second backward over the same forward (retain_graph=True) begins
   // where the first left this bucket, or left a gradient unreduced.
   if (bucket->delivered[slot]) finish_pass_locked(bucket);
-  const int64_t id = bucket->ids[slot];
-  if (runtime_.reduction_deferred(id)) {
+  if (bucket->deferred[slot]) {
     // A gather unit's parameter: held back for the unit's own reduction at
     // the end of backward (no collective now, a zero shard gradient). It
     // joins no bucket, since ranks run different members of a unit.
     bucket->delivered[slot] = true;
     ++bucket->delivered_count;
     bucket->results[slot] = runtime_.wait_reduce_scatter(
-        runtime_.start_reduce_scatter({id}, {std::move(grad)}))[0];
+        runtime_.start_reduce_scatter({bucket->ids[slot]}, {std::move(grad)}))[0];
     return;
   }
   if (collected_ && collected_->bucket != bucket) start_collected_locked();

@@ -124,11 +124,9 @@ at::Tensor escaping_copy(const at::Tensor& full) {
 // reduction and the shard's grad_dtype are fp32; plain torch casts to the
 // leaf's grad_dtype instead. So the uses are summed in the wider of the
 // gathered dtype and the reduce dtype, which the reduction casts to anyway.
-void sum_gradients_in_reduce_dtype(const at::Tensor& full, const std::string& group,
-                                   int64_t param) {
+void sum_gradients_in_reduce_dtype(const at::Tensor& full, c10::ScalarType reduce) {
   const auto& node = full.grad_fn();
   if (!node) return;  // frozen: no gradient
-  const c10::ScalarType reduce = RuntimeTable::instance().get(group)->spec(param).reduce_dtype;
   node->mutable_input_metadata(full.output_nr())
       .set_grad_dtype(c10::promoteTypes(full.scalar_type(), reduce));
 }
@@ -136,7 +134,10 @@ void sum_gradients_in_reduce_dtype(const at::Tensor& full, const std::string& gr
 at::Tensor all_gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
                                const std::string& group, int64_t param) {
   at::Tensor full = GatherFunction<kAllGather>::apply(shard, shape, group, param);
-  sum_gradients_in_reduce_dtype(full, group, param);
+  if (full.grad_fn()) {
+    sum_gradients_in_reduce_dtype(full,
+                                  RuntimeTable::instance().get(group)->spec(param).reduce_dtype);
+  }
   return full;
 }
 
@@ -154,8 +155,9 @@ at::Tensor gather_autograd(const at::Tensor& shard, c10::IntArrayRef shape,
   }
   if (at::GradMode::is_enabled() && shard.requires_grad()) {
     auto runtime = RuntimeTable::instance().get(group);
-    runtime->eager_reduction().connect(full, shard, param, runtime);
-    sum_gradients_in_reduce_dtype(full, group, param);
+    const c10::ScalarType reduce = runtime->spec(param).reduce_dtype;
+    runtime->eager_reduction().connect(full, shard, param, reduce, runtime);
+    sum_gradients_in_reduce_dtype(full, reduce);
   }
   return full;
 }

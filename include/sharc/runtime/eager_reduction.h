@@ -73,9 +73,10 @@ class EagerReduction {
 
   /// Wires `full`, just gathered from `shard` (parameter `id`, no autograd
   /// history yet), into autograd: its gradient is reduced through the open
-  /// bucket and reaches `shard` through a wait node. `owner` keeps the
-  /// runtime alive as long as the graph.
-  void connect(at::Tensor& full, const at::Tensor& shard, int64_t id,
+  /// bucket and reaches `shard` through a wait node. `reduce`: the
+  /// parameter's reduce dtype (what its gradient weighs in a bucket).
+  /// `owner` keeps the runtime alive as long as the graph.
+  void connect(at::Tensor& full, const at::Tensor& shard, int64_t id, c10::ScalarType reduce,
                c10::intrusive_ptr<Runtime> owner);
 
   /// Backward of the gather of `slot`: its full gradient.

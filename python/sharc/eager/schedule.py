@@ -22,7 +22,8 @@ Backward. While any scope is open, saved-tensor hooks replace every saved
 tensor that lives in a gathered buffer by a handle (parameter, size, stride,
 offset). Unpacking a handle in backward gathers the parameter again (once per
 backward pass) and rebuilds the view. The backward hold is dropped when the
-gather's own backward (its reduce-scatter) has run, which autograd orders after
+gather's own backward (which hands the gradient to the runtime's eager
+reduction) has run, which autograd orders after
 every node that used the parameter, or at the end of the backward pass for
 parameters without gradients. Nothing full-size therefore survives from
 forward to backward, and several backward passes over one forward
