@@ -123,8 +123,9 @@ TEST(BucketAllGathers, RequiresAndKeepsWaitsRightAfterTheirGathers) {
   EXPECT_TRUE(verify(parse(out), rules).empty()) << out;
 }
 
-// One bucket is one collective of one dtype: a gather of another dtype
-// closes the open bucket (however much room is left) and opens the next.
+// One bucket is one collective of one dtype: each dtype has its bucket
+// open, and a gather joins the one of its dtype, across gathers of others
+// (autocast alternates fp32 norms and bf16 linears within a block).
 const char* kMixedDtypes = R"(
 param @0 "w" bytes=64 dtype=bfloat16
 param @1 "b" bytes=8 dtype=float32
@@ -147,7 +148,7 @@ release @0 @1 @2 @3 @4 after %y
 output %y
 )";
 
-TEST(BucketAllGathers, ADtypeChangeClosesTheBucket) {
+TEST(BucketAllGathers, EachDtypeFillsItsOwnBucket) {
   auto pass = make_bucket_allgathers(1 << 20);
   int64_t rewrites = -1;
   const std::string out = run_pass(*pass, kMixedDtypes, &rewrites);
@@ -158,20 +159,29 @@ param @2 "v" bytes=64 dtype=float32
 param @3 "u" bytes=64 dtype=bfloat16
 param @4 "t" bytes=64
 %x = input bytes=16
-%g0 = gather @0
-%w = wait %g0
+%g0 = gather @0 @3
+%w, %u = wait %g0
 %g1 = gather @1 @2
 %b, %v = wait %g1
-%g3 = gather @3
-%u = wait %g3
 %g4 = gather @4
 %t = wait %g4
 %y = compute "addmm" %b %x %w %v %u %t bytes=16
 release @0 @1 @2 @3 @4 after %y
 output %y
 )"));
-  EXPECT_EQ(rewrites, 1);
+  EXPECT_EQ(rewrites, 2);
   EXPECT_TRUE(verify(parse(out), VerifyOptions::structural()).empty());
+}
+
+// A full bucket of one dtype closes that dtype's bucket only: the next
+// gather of that dtype opens a new one, and the other dtype's stays open.
+TEST(BucketAllGathers, AFullBucketLeavesTheOtherDtypesOpen) {
+  auto pass = make_bucket_allgathers(/*bucket_bytes=*/100);
+  const std::string out = run_pass(*pass, kMixedDtypes);
+  EXPECT_NE(out.find("%g0 = gather @0\n%w = wait %g0\n%g1 = gather @1 @2\n%b, %v = wait %g1\n"
+                     "%g3 = gather @3\n%u = wait %g3\n"),
+            std::string::npos)
+      << out;
 }
 
 TEST(BucketAllGathers, ZeroBucketFusesNothing) {

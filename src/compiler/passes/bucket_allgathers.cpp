@@ -1,3 +1,4 @@
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -32,10 +33,15 @@ class BucketAllGathers : public Pass {
   // moved away from their waits it would quietly bucket nothing.
   Contract contract() const override { return {{Rule::WaitsFollowGathers}, {}, {}}; }
 
-  // Walks the gathers in program order. Each one joins the open bucket if it
-  // fits and has the bucket's dtype (moving it up to the bucket's position: a
-  // gather reads nothing but its shards, so it may run earlier, at the cost
-  // of its bytes living longer), otherwise it opens the next bucket.
+  // Walks the gathers in program order. Each one joins the open bucket of its
+  // dtype if it fits (moving it up to the bucket's position: a gather reads
+  // nothing but its shards, so it may run earlier, at the cost of its bytes
+  // living longer), otherwise it opens the next bucket of its dtype. One
+  // bucket per dtype stays open because one collective carries one dtype,
+  // and under autocast a block's gathers alternate between dtypes (a
+  // LayerNorm's fp32 weights, then a Linear's weights cast to bf16 before
+  // the gather): with a single open bucket each change of dtype closed it,
+  // four collectives per transformer block where two carry the same bytes.
   // Under a memory budget, the cap halves until the bucketed schedule fits
   // (a bucket keeps its later members, and a staging buffer, alive early).
   int64_t run(Graph& graph, Analyses&) override {
@@ -62,11 +68,11 @@ class BucketAllGathers : public Pass {
   int64_t bucket(Graph& graph, int64_t cap) const {
     int64_t rewrites = 0;
     std::vector<Node> out;
-    Bucket open;
+    std::map<std::optional<std::string>, Bucket> open;  ///< by dtype (unset: unknown)
     for (size_t i = 0; i < graph.nodes.size(); ++i) {
       if (!is_gather_pair(graph, i)) {
         Node& n = graph.nodes[i];
-        if (n.kind == NodeKind::Gather || n.kind == NodeKind::Wait) open = Bucket();
+        if (n.kind == NodeKind::Gather || n.kind == NodeKind::Wait) open.clear();
         out.push_back(std::move(n));
         continue;
       }
@@ -74,12 +80,13 @@ class BucketAllGathers : public Pass {
       Node& wait = graph.nodes[++i];
       const int64_t bytes = bytes_of(graph, gather);
       const std::optional<std::string> dtype = dtype_of(graph, gather);
-      if (open.fits(gather, bytes, dtype, cap)) {
-        open.join(out, gather, wait, bytes);
+      Bucket& bucket = open[dtype];
+      if (bucket.fits(gather, bytes, cap)) {
+        bucket.join(out, gather, wait, bytes);
         ++rewrites;
         continue;
       }
-      open = Bucket{out.size(), bytes, dtype, {gather.params.begin(), gather.params.end()}, true};
+      bucket = Bucket{out.size(), bytes, {gather.params.begin(), gather.params.end()}, true};
       out.push_back(std::move(gather));
       out.push_back(std::move(wait));
     }
@@ -90,14 +97,11 @@ class BucketAllGathers : public Pass {
   struct Bucket {
     size_t gather_at = 0;  ///< index in the output; its wait follows
     int64_t bytes = 0;
-    std::optional<std::string> dtype;  ///< of every member; unset: unknown
     std::set<int64_t> params;
     bool active = false;
 
-    // The runtime gathers a bucket as one collective of one dtype.
-    bool fits(const Node& gather, int64_t more, const std::optional<std::string>& of,
-              int64_t cap) const {
-      if (!active || bytes + more > cap || of != dtype) return false;
+    bool fits(const Node& gather, int64_t more, int64_t cap) const {
+      if (!active || bytes + more > cap) return false;
       // A parameter gathered again after its release opens a new bucket.
       for (int64_t p : gather.params) {
         if (params.count(p)) return false;
