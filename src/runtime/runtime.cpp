@@ -317,15 +317,10 @@ void Runtime::finish_gather_locked(GatherInFlight& gather) {
       verdict = agreement_.settle(gather.seq, rows, comm_.rank());
     }
   }
+  if (gather.staging.defined()) copy_out_of_staging(gather);
   for (size_t i = 0; i < gather.ids.size(); ++i) {
     ShardedParam& p = param(gather.ids[i]);
-    if (gather.staging.defined()) {
-      const int64_t width = p.layout.shard_numel();
-      at::Tensor rows = gather.staging.view({world, -1});
-      p.base.view({world, width}).copy_(rows.narrow(1, gather.offsets[i], width));
-    } else if (sent) {
-      p.compact_rows(world, gather.row, gather.header);
-    }
+    if (sent && !gather.staging.defined()) p.compact_rows(world, gather.row, gather.header);
     p.state.finish_gather();
     p.pending.reset();
   }
@@ -335,6 +330,23 @@ void Runtime::finish_gather_locked(GatherInFlight& gather) {
   }
   gather.wire = at::Tensor();
   if (verdict && verdict->kind != Verdict::kAgree) diverged_locked(*verdict, mine);
+}
+
+// A bucket's rows hold each rank's slice of every member, then its header:
+// one split copy moves them all (one kernel on a GPU, where a copy per
+// member cost a launch each), the header columns into a scratch tensor.
+void Runtime::copy_out_of_staging(const GatherInFlight& gather) {
+  const int64_t world = comm_.world_size();
+  std::vector<at::Tensor> outs;
+  std::vector<int64_t> widths;
+  for (int64_t id : gather.ids) {
+    ShardedParam& p = param(id);
+    widths.push_back(p.layout.shard_numel());
+    outs.push_back(p.base.view({world, widths.back()}));
+  }
+  widths.push_back(gather.header);
+  outs.push_back(at::empty({world, gather.header}, gather.staging.options()));
+  at::split_with_sizes_copy_out(outs, gather.staging.view({world, -1}), widths, /*dim=*/1);
 }
 
 void Runtime::start_gather(const std::vector<int64_t>& ids,
@@ -724,7 +736,11 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
   // NaN: an inf that lands in one rank's shard would otherwise let a loss
   // scaler skip the step there and take it elsewhere, and the ranks' models
   // would part. (Without sharding every rank would see the inf.)
-  at::Tensor nonfinite = out.numel() > 0 ? out.narrow(0, out.numel() - 1, 1).gt(0) : out;
+  // Poisoned once, over the whole bucket (one kernel, not one per member).
+  if (out.numel() > 0) {
+    at::Tensor nonfinite = out.narrow(0, out.numel() - 1, 1).gt(0);
+    out.masked_fill_(nonfinite, std::numeric_limits<double>::quiet_NaN());
+  }
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
@@ -736,8 +752,7 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
       continue;
     }
     at::Tensor slice = out.narrow(0, offset, pending.widths[i]);
-    at::Tensor shard = slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true);
-    shards.push_back(shard.masked_fill_(nonfinite, std::numeric_limits<double>::quiet_NaN()));
+    shards.push_back(slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true));
     offset += pending.widths[i];
   }
   return shards;

@@ -469,6 +469,7 @@ class Runtime : public torch::CustomClassHolder {
   /// its storage and the room after it); others are copied (and cast).
   at::Tensor input_for_gather(const GatherInFlight& gather, c10::ScalarType dtype);
   void finish_gather_locked(GatherInFlight& gather);
+  void copy_out_of_staging(const GatherInFlight& gather);
   /// Writes a full gradient (flat, numel elements) into `rows` (world_size
   /// x shard width, a column block of a reduce-scatter's input) as the
   /// ranks' shards, padding zeroed.
