@@ -13,10 +13,15 @@ namespace {
 
 // The size at which a collective's latency is a tenth of its transfer time
 // (fusing more saves little), within [smallest, largest]; `unmeasured`
-// without a cost.
+// without a cost, or with one that took no time at all. A cost whose time
+// did not grow with the bytes (a link too fast for the sizes timed, as on
+// one GPU, where every probe took its launch latency) is all latency: the
+// largest bucket. Taking it as unmeasured gave that GPU 64 KiB buckets, a
+// collective per parameter, in some runs and 64 MiB in others.
 int64_t latency_a_tenth(const std::optional<CollectiveCost>& cost, int64_t smallest,
                         int64_t largest, int64_t unmeasured) {
-  if (!cost || cost->us_per_byte <= 0) return unmeasured;
+  if (!cost || (cost->us_per_byte <= 0 && cost->latency_us <= 0)) return unmeasured;
+  if (cost->us_per_byte <= 0) return largest;
   const double bytes = 9.0 * cost->latency_us / cost->us_per_byte;
   return std::clamp<int64_t>(static_cast<int64_t>(std::min(bytes, 1e18)), smallest, largest);
 }

@@ -207,11 +207,14 @@ TEST(AutoBucket, LatencyIsATenthOfTheTransfer) {
   EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{100.0, 0.001}), 900000);
   EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{1.0, 0.001}), 64 << 10);   // clamped up
   EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{1e6, 1e-9}), 64 << 20);    // clamped down
-  EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{100.0, 0.0}), 64 << 10);   // no bandwidth
+  // Time that did not grow with the bytes is all latency: the largest bucket.
+  EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{100.0, 0.0}), 64 << 20);
+  EXPECT_EQ(auto_gather_bucket_bytes(CollectiveCost{0.0, 0.0}), 64 << 10);     // took no time
   // Reductions: the same rule, at least 1 MiB; 4 MiB unmeasured.
   EXPECT_EQ(auto_reduce_bucket_bytes(std::nullopt), 4 << 20);
   EXPECT_EQ(auto_reduce_bucket_bytes(CollectiveCost{200.0, 0.0001}), 18000000);
   EXPECT_EQ(auto_reduce_bucket_bytes(CollectiveCost{100.0, 0.001}), 1 << 20);  // clamped up
+  EXPECT_EQ(auto_reduce_bucket_bytes(CollectiveCost{37.8, 0.0}), 64 << 20);
 }
 
 TEST(AnnotateCollectiveCosts, PredictedTimesOnCollectives) {
