@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import statistics
 import time
 import traceback
@@ -141,6 +142,16 @@ def own_inductor_cache(directory: str | None):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user and system) this process and its waited-for child
+    processes (Inductor's C++ compiler runs) have used: on a shared host,
+    what a warm-up did, where its wall time also counts what other
+    processes took from it."""
+    me, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                         resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def warm_up(names: list[str], build: Callable[[str], Competitor], batch, warmup: int,
             results: dict, cache_dir: Callable[[str], str | None] = lambda name: None,
             ) -> list[Competitor]:
@@ -151,17 +162,22 @@ def warm_up(names: list[str], build: Callable[[str], Competitor], batch, warmup:
     (see own_inductor_cache; None: the process's)."""
     competitors = []
     for name in names:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         try:
+            steps = []
             with own_inductor_cache(cache_dir(name)):
                 c = build(name)
+                steps.append(time.perf_counter() - start)
                 for s in range(warmup):
                     train_step(c, *batch(s))
+                    steps.append(time.perf_counter() - start - sum(steps))
         except Exception:  # noqa: BLE001  (a competitor that cannot run is reported)
             traceback.print_exc()  # the table keeps one line of it
             results[name] = {"error": traceback.format_exc().strip().splitlines()[-1][:160]}
             continue
-        results[name] = {"warmup_s": time.perf_counter() - start, "losses": list(c.losses)}
+        results[name] = {"warmup_s": time.perf_counter() - start,
+                         "warmup_cpu_s": cpu_seconds() - cpu_start, "losses": list(c.losses),
+                         "warmup_parts_s": steps}  # the build, then each warm-up step
         competitors.append(c)
     return competitors
 
