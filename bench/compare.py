@@ -29,9 +29,11 @@ Each competitor's model runs code objects of its own (_common.fresh_model),
 so no competitor's compiler changes how another's model runs.
 
 warmup_s is a competitor's build and warm-up steps, compilation included
-(warmup_parts_s: the build, then each step; warmup_cpu_s: the CPU seconds
-rank 0 and the C++ compiler runs it waited for used meanwhile, which other
-processes on a shared host move less than the wall time),
+(warmup_parts_s: rank 0's build, then each step; warmup_cpu_s: the CPU
+seconds all ranks and the C++ compiler runs they waited for used meanwhile,
+summed over ranks since the ranks share a cache directory and either may
+build a kernel the other then loads; other processes on a shared host move
+it less than the wall time),
 and every compiled competitor compiles under the same cache conditions:
 with --inductor-cache fresh (the default) each compiles into an empty
 Inductor cache directory of its own, with Inductor's in-memory caches
@@ -258,7 +260,7 @@ def _report(per_rank: list[dict], args, size: str, config, first_compile_s) -> N
             "peak_gathered_MiB": _max_mib(per_rank, name, "peak_gathered_bytes"),
             "warmup_s": round(r0["warmup_s"], 1),
             "warmup_parts_s": "/".join(f"{t:.1f}" for t in r0["warmup_parts_s"]),
-            "warmup_cpu_s": round(r0["warmup_cpu_s"], 1),
+            "warmup_cpu_s": round(sum(r[name]["warmup_cpu_s"] for r in per_rank), 1),
             "first_loss": round(r0["losses"][0], 4),
         })
     params = sum(p.numel() for p in fresh_model(config).parameters())
