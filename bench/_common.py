@@ -15,8 +15,10 @@ Peak memory per rank is exact byte accounting, in two parts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import statistics
 import time
 import traceback
@@ -108,23 +110,74 @@ def train_step(c: Competitor, x, y) -> float:
     return c.losses[-1]
 
 
+def slug(name: str) -> str:
+    """A competitor's name as a file name."""
+    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+
+
+@contextlib.contextmanager
+def own_inductor_cache(directory: str | None):
+    """Inductor's caches for one competitor's compilation: `directory` on
+    disk (TORCHINDUCTOR_CACHE_DIR while the block runs) and nothing in this
+    process's memory (the compiled kernels, wrappers and graphs other
+    competitors' compilations left there are dropped from Inductor's
+    in-memory caches first, not unloaded). None: the process's cache, as it
+    is. Without this, competitors that compile the same graph (the floor and
+    DDP compiled do) find each other's work cached, and the later one's
+    warm-up leaves out what the earlier one paid."""
+    if directory is None:
+        yield
+        return
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user and system) this process and its waited-for child
+    processes (Inductor's C++ compiler runs) have used: on a shared host,
+    what a warm-up did, where its wall time also counts what other
+    processes took from it."""
+    me, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                         resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def warm_up(names: list[str], build: Callable[[str], Competitor], batch, warmup: int,
-            results: dict) -> list[Competitor]:
+            results: dict, cache_dir: Callable[[str], str | None] = lambda name: None,
+            ) -> list[Competitor]:
     """Builds each competitor and runs its warm-up steps (compilation
     included). One that cannot run gets an "error" entry in `results` and is
-    left out; the others get their warm-up seconds and losses."""
+    left out; the others get their warm-up seconds and losses. Each
+    competitor compiles with the Inductor cache directory `cache_dir(name)`
+    (see own_inductor_cache; None: the process's)."""
     competitors = []
     for name in names:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         try:
-            c = build(name)
-            for s in range(warmup):
-                train_step(c, *batch(s))
+            steps = []
+            with own_inductor_cache(cache_dir(name)):
+                c = build(name)
+                steps.append(time.perf_counter() - start)
+                for s in range(warmup):
+                    train_step(c, *batch(s))
+                    steps.append(time.perf_counter() - start - sum(steps))
         except Exception:  # noqa: BLE001  (a competitor that cannot run is reported)
             traceback.print_exc()  # the table keeps one line of it
             results[name] = {"error": traceback.format_exc().strip().splitlines()[-1][:160]}
             continue
-        results[name] = {"warmup_s": time.perf_counter() - start, "losses": list(c.losses)}
+        results[name] = {"warmup_s": time.perf_counter() - start,
+                         "warmup_cpu_s": cpu_seconds() - cpu_start, "losses": list(c.losses),
+                         "warmup_parts_s": steps}  # the build, then each warm-up step
         competitors.append(c)
     return competitors
 

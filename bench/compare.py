@@ -28,6 +28,31 @@ hits all of them alike), after warm-up steps that include compilation.
 Each competitor's model runs code objects of its own (_common.fresh_model),
 so no competitor's compiler changes how another's model runs.
 
+warmup_s is a competitor's build and warm-up steps, compilation included
+(warmup_parts_s: rank 0's build, then each step; warmup_cpu_s: the CPU
+seconds all ranks and the C++ compiler runs they waited for used meanwhile,
+summed over ranks since the ranks share a cache directory and either may
+build a kernel the other then loads; other processes on a shared host move
+it less than the wall time),
+and every compiled competitor compiles under the same cache conditions:
+with --inductor-cache fresh (the default) each compiles into an empty
+Inductor cache directory of its own, with Inductor's in-memory caches
+emptied first (_common.own_inductor_cache), so each pays its whole first
+compilation, as a new model's first run does. Before, all competitors
+shared the process's cache: DDP compiled compiles the same graph as the
+floor, which ran first, and found its kernels, wrappers and graphs cached
+(its warm-up then left out most of what the floor's included), while sharc
+compiled, first of sharc's rows, built kernels the later sharc rows then
+found. --inductor-cache DIR keeps each competitor's directory under DIR, so
+a second run with the same DIR measures every competitor's warm start
+alike; --inductor-cache process restores the shared cache. What a process
+pays once, at its first Inductor compilation, whatever it compiles (the C++
+compiler's and the CPU's vector-ISA probes, each a C++ build, the compile
+workers' start, lazy imports), is paid before the first competitor, by a
+small model compiled in a cache of its own (_first_compile): it went to
+whichever compiled competitor ran first, sharc compiled since the floor's
+row is optional.
+
 Peak memory per rank is exact byte accounting, in two parts:
   resident: bytes of the parameters, gradients and optimizer state this rank
             holds between steps (tensor storages, each counted once), and
@@ -45,14 +70,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 
 import sharc
 from _common import (LARGE_MODEL, MODEL, Competitor, adamw, fresh_model, markdown,
-                     median_step_s, profiled_step, resident_bytes, step_peak_bytes, time_rounds,
-                     warm_up, write_results)
+                     median_step_s, own_inductor_cache, profiled_step, resident_bytes, slug,
+                     step_peak_bytes,
+                     time_rounds, warm_up, write_results)
 from _models import BrokenConfig, EncoderConfig, SwitchConfig
 from sharc.data import CharDataset
 from sharc.launch import launch
@@ -77,6 +106,7 @@ TARGETS = [("sharc compiled", "floor", "step_ms", 1.20, GPT_SIZES),
            ("sharc compiled, DDP's memory", "DDP compiled", "peak_MiB_per_rank", 1.00,
             GPT_SIZES),
            ("sharc compiled", "DDP compiled", "warmup_s", 1.50, GPT_SIZES),
+           ("sharc compiled", "DDP compiled", "warmup_cpu_s", 1.50, GPT_SIZES),
            ("sharc eager", "FSDP2 eager", "step_ms", 1.00, GPT_SIZES),
            ("sharc eager", "FSDP2 eager", "peak_MiB_per_rank", 1.00, GPT_SIZES),
            ("sharc compiled", "sharc eager", "step_ms", 1.00, tuple(SIZES)),
@@ -136,21 +166,53 @@ def _run_size(size: str, args) -> None:
     names = SMALL_CASE_COMPETITORS if size in SMALL_CASES else COMPETITORS
     names = [n for n in names if not args.only or n in args.only or n == "sharc compiled"]
     results = {}
+    root = _cache_root(args.inductor_cache, size)
+    first_compile_s = None
+    if root is not None:
+        start = time.perf_counter()
+        with own_inductor_cache(os.path.join(root, "first_compile")):
+            _first_compile()
+        first_compile_s = time.perf_counter() - start
     # FSDP2 compiled is built, timed and measured last, alone: once Dynamo has
     # compiled FSDP2's graph-breaking GPT.forward, another compiled model of
     # that class in the same process no longer compiles cleanly (see the
     # limitations in docs/design/compiled-schedule.md).
     for phase in ([n for n in names if n != "FSDP2 compiled"],
                   [n for n in names if n == "FSDP2 compiled"]):
-        _run_phase(phase, results, batch, args, config)
+        _run_phase(phase, results, batch, args, config, root)
+    dist.barrier()
+    if rank == 0 and root is not None and args.inductor_cache == "fresh":
+        shutil.rmtree(root, ignore_errors=True)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, results)
     if rank == 0:
-        _report(per_rank, args, size, config)
+        _report(per_rank, args, size, config, first_compile_s)
 
 
-def _run_phase(names, results, batch, args, config) -> None:
-    competitors = warm_up(names, lambda name: _build(name, config), batch, args.warmup, results)
+def _cache_root(mode: str, size: str) -> str | None:
+    """The directory whose subdirectories are the competitors' Inductor
+    caches, the same on every rank (one host, one cache, as in a real run);
+    None for the process's shared cache."""
+    if mode == "process":
+        return None
+    root = [tempfile.mkdtemp(prefix="compare_inductor_") if mode == "fresh"
+            else os.path.join(os.path.abspath(mode), size)]
+    dist.broadcast_object_list(root, src=0)
+    return root[0]
+
+
+def _first_compile() -> None:
+    """An Inductor compilation of a small model's training step (forward
+    and backward), unlike any competitor's: what a process pays at its
+    first compilation is paid here, not by the first competitor."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    torch.compile(model)(torch.randn(4, 8)).sum().backward()
+
+
+def _run_phase(names, results, batch, args, config, root) -> None:
+    competitors = warm_up(names, lambda name: _build(name, config), batch, args.warmup, results,
+                          cache_dir=lambda name: None if root is None
+                          else os.path.join(root, slug(name)))
     for c in competitors:  # counters from here on cover the timed steps only
         if c.name.startswith("sharc"):
             sharc.reset_memory_stats(sharc.api.sharded_root(c.model).group)
@@ -173,7 +235,7 @@ def _run_phase(names, results, batch, args, config) -> None:
             step_peak_bytes=step_peak_bytes(profiled_step(c, *batch(0))))
 
 
-def _report(per_rank: list[dict], args, size: str, config) -> None:
+def _report(per_rank: list[dict], args, size: str, config, first_compile_s) -> None:
     names = list(per_rank[0])
     rows = []
     for name in names:
@@ -197,16 +259,21 @@ def _report(per_rank: list[dict], args, size: str, config) -> None:
             "exposed_comm_ms": _max_ms(per_rank, name, "exposed_comm_s"),
             "peak_gathered_MiB": _max_mib(per_rank, name, "peak_gathered_bytes"),
             "warmup_s": round(r0["warmup_s"], 1),
+            "warmup_parts_s": "/".join(f"{t:.1f}" for t in r0["warmup_parts_s"]),
+            "warmup_cpu_s": round(sum(r[name]["warmup_cpu_s"] for r in per_rank), 1),
             "first_loss": round(r0["losses"][0], 4),
         })
     params = sum(p.numel() for p in fresh_model(config).parameters())
     meta = {"size": size, "parameters": params, "world_size": len(per_rank), "backend": "gloo",
             "device": "cpu", "torch": torch.__version__, "model": repr(config),
-            "batch_per_rank": args.batch, "timed_steps": args.rounds * args.steps_per_round}
+            "batch_per_rank": args.batch, "timed_steps": args.rounds * args.steps_per_round,
+            "inductor_cache": args.inductor_cache,
+            "first_compile_s": None if first_compile_s is None else round(first_compile_s, 1),
+            "load_average": [round(v, 2) for v in os.getloadavg()]}
     table = markdown(rows, ["competitor", "step_ms", "step_time_ratio", "to_floor",
                             "peak_MiB_per_rank",
                             "peak_ratio", "resident_MiB", "exposed_comm_ms",
-                            "peak_gathered_MiB", "warmup_s", "first_loss"])
+                            "peak_gathered_MiB", "warmup_s", "warmup_parts_s", "warmup_cpu_s", "first_loss"])
     targets = markdown(_targets(rows, size), ["target", "ratio", "bound", "met"])
     print(f"\n{size}: {params} parameters\n{table}\n\n{targets}")
     write_results(args.out, f"compare_{size}", meta, rows + _targets(rows, size),
@@ -257,6 +324,11 @@ def main() -> None:
                         help="run only these competitors (sharc compiled always runs); "
                         "Inductor writes the word after --only into its generated code as a "
                         "quoted string, so do not put a name with an apostrophe first")
+    parser.add_argument("--inductor-cache", default="fresh",
+                        help='"fresh": each competitor compiles into an empty Inductor cache of '
+                        'its own (the default); a directory: each competitor\'s cache kept under '
+                        'it (a rerun is warm for all alike); "process": one cache for all, '
+                        "whatever TORCHINDUCTOR_CACHE_DIR names")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     launch(_rank_main, args.nproc, args=(args,))

@@ -6,6 +6,23 @@ joint-graph pass first tells the partitioner to recompute gathers in backward
 (schedule.py) and on to Inductor, or runs as a plain FX graph when
 `inductor=False`. Which FX transforms run on which graph, and in which
 order, is fx_pipeline.py's list.
+
+[Note: sharc and Inductor's caches]
+Inductor's FX graph cache (on disk, across processes) is keyed inside
+compile_fx_inner, on the forward or backward graph as sharc's scheduler left
+it: the generated code of that graph (every sharc op with its group name,
+parameter ids, dtypes, graph kind and memory budget as literal arguments),
+its inputs' sizes, strides and dtypes, Inductor's settings, and the custom
+joint pass's uuid (fx_pipeline.JointGraphPass.uuid: the sharc sources that
+shape what Inductor makes of a scheduled graph, its ops' lowering and
+C++ library, whose meta kernels give the ops' output sizes). So a hit is a
+graph sharc scheduled identically: same group, same parameters, same
+buckets and order. sharc's own work on a graph (the passes, and what they
+tell the runtime: kept parameters, the group's pass order) runs before the
+lookup, hit or miss. A rescheduled graph (other measured costs, another
+budget) is another key. AOTAutograd's cache would be looked up on Dynamo's
+graph, before the joint pass and the scheduler: a hit there skips both, so
+it stays off.
 """
 
 from __future__ import annotations
@@ -48,14 +65,15 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
             forward_groups.extend(filter(None, [gathered_group(graph_module.graph)]))
         return compile_fx_inner(graph_module, inputs, **kwargs)
 
-    # Caches are keyed by graphs before sharc rewrites them, and what sharc
-    # bakes in (group names, parameter ids, buckets) is per process.
+    # Inductor's FX graph cache stays on (see [Note: sharc and Inductor's
+    # caches]); AOTAutograd's cache is keyed by the graph before sharc
+    # rewrites it and a hit would skip sharc's passes: off.
     # Inductor's peak-memory reordering cannot see the runtime's gathered
     # buffers: it hoisted every start_gather (inputs: shards only) to the top
     # of a graph, gathering the whole model at once; sharc's passes order them.
     with inductor_config.patch(joint_custom_post_pass=joint_pass,
                                reorder_for_peak_memory=False,
-                               fx_graph_cache=False, autotune_local_cache=False), \
+                               autotune_local_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
     return in_pass_order(compiled, forward_groups, compilation.config)

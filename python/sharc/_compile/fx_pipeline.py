@@ -109,7 +109,14 @@ class JointGraphPass(CustomGraphPass):
         run("joint", graph, self.compilation)
 
     def uuid(self):
-        from sharc._compile import escaping, ops, recompute, sparse_gradients
+        """Part of Inductor's FX graph cache key: what of sharc decides the
+        joint graph and what Inductor makes of sharc's ops (their lowering,
+        and the C++ library that registers them with their meta kernels);
+        see [Note: sharc and Inductor's caches] in backend.py."""
+        from sharc import _library
+        from sharc._compile import (escaping, inductor_lowerings, ops, recompute,
+                                    sparse_gradients)
 
         return get_hash_for_files((__file__, escaping.__file__, ops.__file__,
-                                   recompute.__file__, sparse_gradients.__file__))
+                                   recompute.__file__, sparse_gradients.__file__,
+                                   inductor_lowerings.__file__, str(_library._LIBRARY)))

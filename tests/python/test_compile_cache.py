@@ -1,0 +1,88 @@
+"""Inductor's FX graph cache with the sharc backend ([Note: sharc and
+Inductor's caches] in sharc/_compile/backend.py).
+
+A later process that schedules its graphs as an earlier one did finds them
+in the earlier one's cache directory, and trains exactly as the process
+that compiled them: the same losses, the same final parameters, the same
+collectives. A graph that gathers other parameters does not hit: the
+blocks of a model, compiled one by one, are identical but for their
+parameters' ids, and none finds another's entry; nor does the same model
+sharded over another process group.
+
+The schedule is made deterministic (profiling off, a set memory budget):
+with measured costs, a later process may schedule differently, and then
+misses, which is correct too."""
+
+import os
+
+import torch
+
+from dist_harness import run_ranks
+from models import global_batch, rank_slice
+
+BLOCKS = 2
+STEPS = 3
+OPTIONS = {"profile": False, "memory_budget_bytes": 1 << 20}
+
+
+def _train(rank, world, cache_dir, other_group):
+    # Each rank a directory of its own: otherwise a rank could hit what the
+    # other rank wrote a moment before, and the counts below would race.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    import sharc
+    from sharc.models.gpt import GPT, GPTConfig
+
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=BLOCKS, n_head=2, n_embd=16))
+    group = dist.new_group() if other_group else None
+    sharc.shard(model, group)
+    for block in model.blocks:  # identical blocks, each its own graphs
+        block.compile(backend="sharc", options=OPTIONS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step, 4)
+        logits = model(rank_slice(x, rank, world))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 rank_slice(y, rank, world).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    stats = sharc.memory_stats(group)
+    full = sharc.full_state_dict(model)
+    cache = {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items()
+             if k.startswith("fxgraph_cache_")}
+    return losses, full, stats["allgather_calls"], cache
+
+
+def _lookups(result) -> dict:
+    cache = result[3]
+    return {k: cache.get(k, 0) for k in ("hit", "miss", "bypass")}
+
+
+def test_a_cache_hit_trains_identically_and_other_layouts_do_not_hit(tmp_path):
+    cache_dir = str(tmp_path)
+    graphs = 2 * BLOCKS  # a forward and a backward graph per block
+    first = run_ranks(_train, 2, cache_dir, False, timeout=420)
+    for r in first:
+        # The second block's graphs differ from the first's in parameter ids only.
+        assert _lookups(r) == {"hit": 0, "miss": graphs, "bypass": 0}, _lookups(r)
+        assert r[2] > 0  # the compiled graphs gather
+
+    again = run_ranks(_train, 2, cache_dir, False, timeout=420)
+    for r, before in zip(again, first):
+        assert _lookups(r) == {"hit": graphs, "miss": 0, "bypass": 0}, _lookups(r)
+        assert r[0] == before[0]  # the very same losses
+        assert r[2] == before[2]  # the same collectives
+        for name, value in before[1].items():
+            assert torch.equal(r[1][name], value), name
+
+    elsewhere = run_ranks(_train, 2, cache_dir, True, timeout=420)
+    for r, before in zip(elsewhere, first):
+        assert _lookups(r) == {"hit": 0, "miss": graphs, "bypass": 0}, _lookups(r)
+        assert r[0] == before[0]  # the same arithmetic, compiled anew
