@@ -37,8 +37,12 @@ class DropBackwardHold : public torch::autograd::FunctionPostHook {
   int64_t id_;
 };
 
+// Without the checks of Tensor::storage(), which throws for tensors whose
+// storage must not be accessed (functorch's wrappers): those are nobody's
+// gathered buffer.
 const c10::StorageImpl* storage_of(const at::Tensor& t) {
-  return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  return t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
 }
 
 }  // namespace

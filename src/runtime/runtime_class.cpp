@@ -118,6 +118,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit) {
              self->eager_scope().unit_backward(root, unit);
            })
+      .def("backward_ends", &sharc::Runtime::backward_ends)
       .def("start_gather",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, std::vector<int64_t> ids) {
              self->start_gather(ids);  // each in its gather dtype

@@ -114,6 +114,11 @@ void Runtime::begin_eager_forward() {
   end_of_backward_queued_ = false;
 }
 
+int64_t Runtime::backward_ends() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return backward_ends_;
+}
+
 c10::weak_intrusive_ptr<Runtime> Runtime::weak_self() {
   return c10::weak_intrusive_ptr<Runtime>(
       c10::intrusive_ptr<Runtime>::unsafe_reclaim_from_nonowning(this));
@@ -149,6 +154,7 @@ void Runtime::end_backward_pass() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     end_of_backward_queued_ = false;
+    ++backward_ends_;
     if (std::optional<GatherBucket> stale = graphs_.end_pass(kBackwardGraph)) {
       drop_unheld_locked(stale->ids);
     }

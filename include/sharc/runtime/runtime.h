@@ -235,6 +235,9 @@ class Runtime : public torch::CustomClassHolder {
   /// pass, no end-of-backward call is pending, even if the last backward
   /// raised before its callbacks ran.
   void begin_eager_forward();
+  /// end_backward_pass() calls so far (tests and statistics: one a backward
+  /// pass that gathered, eager or compiled).
+  int64_t backward_ends();
   /// A compiled forward graph is about to run on `inputs`. Unless one of
   /// them is an output of the forward graph that ran last (the very tensor),
   /// a new forward pass begins here: the graph is nobody's follower, and a
@@ -533,6 +536,7 @@ class Runtime : public torch::CustomClassHolder {
   EagerPrefetch eager_prefetch_{*this};
   EagerScope eager_scope_{*this};
   bool end_of_backward_queued_ = false;
+  int64_t backward_ends_ = 0;  ///< end_backward_pass() calls
   /// The outputs of the forward graph that ran last (begin_forward_graph).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> forward_outputs_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
