@@ -68,7 +68,9 @@ int64_t EagerScope::add_unit(int64_t root, const std::vector<int64_t>& ids,
               " parameters given ", shards.size(), " shards");
   std::lock_guard<std::mutex> lock(mutex_);
   Root& r = root_locked(root);
-  r.units.push_back(Unit{ids, shards});
+  Unit unit{ids, {}};
+  for (const at::Tensor& shard : shards) unit.shards.emplace_back(shard.getIntrusivePtr());
+  r.units.push_back(std::move(unit));
   return static_cast<int64_t>(r.units.size()) - 1;
 }
 
@@ -218,9 +220,10 @@ void EagerScope::reduce_unit(const Unit& unit) {
   std::vector<int64_t> ids;
   std::vector<at::Tensor> shards;
   for (size_t i = 0; i < unit.ids.size(); ++i) {
-    if (!unit.shards[i].requires_grad()) continue;  // frozen: nothing to reduce
+    at::Tensor shard(unit.shards[i].lock());
+    if (!shard.defined() || !shard.requires_grad()) continue;  // gone, or frozen
     ids.push_back(unit.ids[i]);
-    shards.push_back(unit.shards[i]);
+    shards.push_back(shard);
   }
   if (ids.empty()) return;
   std::vector<at::Tensor> grads = runtime_.flush_unit(ids);

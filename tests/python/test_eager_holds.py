@@ -110,3 +110,25 @@ def test_one_end_of_backward_per_backward_and_nothing_left_gathered(how):
             assert ends == 1, seen
             assert gathered == 0, seen
             assert not {"gathered", "gathering"} & {s.lower() for s in states}, seen
+
+
+def _unit_shards_die_with_the_model(rank, world):
+    import gc
+    import weakref
+
+    import sharc
+
+    model = Net("unit")
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=("b",)))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).backward()
+    shard = weakref.ref(model.b.lin._parameters["weight"])
+    del model
+    gc.collect()
+    return shard() is None
+
+
+def test_the_runtime_keeps_no_unit_shard_alive():
+    # The runtime outlives models; a unit's parameters (and their grads)
+    # go with the model that owns them.
+    assert all(run_ranks(_unit_shards_die_with_the_model, WORLD))

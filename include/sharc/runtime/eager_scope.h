@@ -92,7 +92,9 @@ class EagerScope {
  private:
   struct Unit {
     std::vector<int64_t> ids;
-    std::vector<at::Tensor> shards;
+    /// The nn.Parameters, weakly: the model owns them (and their grads),
+    /// and the runtime outlives models.
+    std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> shards;
   };
   struct Root {
     ScopeStack<at::Tensor> scopes;
