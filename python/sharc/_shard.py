@@ -19,7 +19,7 @@ from sharc._state import ModuleState, _ShardedRoot
 from sharc.checkpoint import state_dict_hooks
 from sharc.config import ShardConfig
 from sharc.eager import full_param_access
-from sharc.eager.schedule import EagerSchedule, GatherUnit
+from sharc.eager.schedule import EagerSchedule
 
 
 def _owned_params(module: torch.nn.Module):
@@ -120,10 +120,10 @@ def _install_unit(unit: torch.nn.Module, runtime, refs_by_shard, schedule) -> No
         return
     for ref in refs:
         runtime.set_deferred_reduction(ref.pid, True)
-    gather_unit = GatherUnit(runtime, refs)
+    index = schedule.add_unit(refs)
     # Registered first, so the unit is gathered before any scope reads it.
-    unit.register_forward_pre_hook(lambda *_: schedule.enter_unit(gather_unit), prepend=True)
-    unit.register_forward_hook(lambda m, i, out: schedule.exit_unit(gather_unit, out),
+    unit.register_forward_pre_hook(lambda *_: schedule.enter_unit(index), prepend=True)
+    unit.register_forward_hook(lambda m, i, out: schedule.exit_unit(index, out),
                                always_call=True)
 
 

@@ -399,21 +399,6 @@ at::Tensor Runtime::gather(int64_t id) {
   return wait_gather({id})[0];
 }
 
-void Runtime::enter_module(int64_t root) {
-  eager_reduction_.enter_module(root);
-  eager_prefetch_.enter_module(root);
-}
-
-void Runtime::exit_module() {
-  eager_reduction_.exit_module();
-  eager_prefetch_.exit_module();
-}
-
-at::Tensor Runtime::gather_for_backward(int64_t root, int64_t id) {
-  eager_prefetch_.on_backward_gather(root, id);
-  return gather(id);
-}
-
 at::Tensor Runtime::read_full(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   RECORD_FUNCTION("sharc::read_full", std::vector<c10::IValue>());
@@ -957,6 +942,11 @@ std::string Runtime::state(int64_t id) {
 std::string Runtime::name(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return param(id).name;
+}
+
+std::vector<int64_t> Runtime::shape(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return param(id).shape;
 }
 
 ShardLayout Runtime::layout(int64_t id) {

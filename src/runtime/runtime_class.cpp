@@ -63,18 +63,10 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("set_settle_on_arrival", &sharc::Runtime::set_settle_on_arrival)
       .def("settle_all", &sharc::Runtime::settle_all)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
-      .def("flush_unit", &sharc::Runtime::flush_unit)
-      .def("enter_module", &sharc::Runtime::enter_module)
-      .def("exit_module", &sharc::Runtime::exit_module)
-      .def("gather_for_backward", &sharc::Runtime::gather_for_backward)
       .def("set_eager_prefetch",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, bool enabled,
               std::vector<int64_t> excluded) {
              self->eager_prefetch().configure(root, enabled, excluded);
-           })
-      .def("end_eager_backward",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root) {
-             self->eager_prefetch().end_backward(root);
            })
       .def("set_eager_bucket_bytes",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t bytes) {
@@ -88,6 +80,45 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
            [](const c10::intrusive_ptr<sharc::Runtime>& self) {
              return self->eager_reduction().in_flight();
            })
+      // The eager schedule's events (sharc::EagerScope, eager_scope.h).
+      .def("eager_add_root",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
+              std::vector<int64_t> ids) { self->eager_scope().add_root(root, ids); })
+      .def("eager_add_unit",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
+              std::vector<int64_t> ids, std::vector<at::Tensor> shards) {
+             return self->eager_scope().add_unit(root, ids, shards);
+           })
+      .def("eager_enter",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
+              bool saves_elsewhere) { return self->eager_scope().enter(root, saves_elsewhere); })
+      .def("eager_exit",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root) {
+             return self->eager_scope().exit(root);
+           })
+      .def("eager_read",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t id,
+              const at::Tensor& shard) { return self->eager_scope().read(root, id, shard); })
+      .def("eager_saved_param",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
+              const at::Tensor& saved) { return self->eager_scope().saved_param(root, saved); })
+      .def("eager_unpack",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t id) {
+             return self->eager_scope().unpack(root, id);
+           })
+      .def("eager_enter_unit",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit) {
+             self->eager_scope().enter_unit(root, unit);
+           })
+      .def("eager_exit_unit",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit) {
+             self->eager_scope().exit_unit(root, unit);
+           })
+      .def("eager_unit_backward",
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit) {
+             self->eager_scope().unit_backward(root, unit);
+           })
+      .def("backward_ends", &sharc::Runtime::backward_ends)
       .def("start_gather",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, std::vector<int64_t> ids) {
              self->start_gather(ids);  // each in its gather dtype

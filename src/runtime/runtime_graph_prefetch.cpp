@@ -1,9 +1,11 @@
 // Cross-graph prefetch: the Runtime's side of [Note: cross-graph prefetch]
 // (sharc/core/graph_sequence.h). The compiled graphs' start_gather and
 // prefetch_next_graph ops call these; GraphSequence keeps the order, this
-// file issues and gives up the collectives it asks for.
+// file issues and gives up the collectives it asks for. Also the one
+// end-of-backward callback, for compiled graphs and the eager path alike.
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "sharc/runtime/runtime.h"
 
@@ -81,20 +83,45 @@ void Runtime::give_up_changed_ahead_locked() {
 }
 
 // The backward pass's end is a point every rank reaches alike: what a
-// backward graph gathered ahead and nobody took is freed there, and the
-// next pass's first graph is not taken for a follower of this one's last.
+// backward graph gathered ahead and nobody took is freed there, the next
+// pass's first graph is not taken for a follower of this one's last, and the
+// eager backward's holds, units and prefetch pass end (EagerScope). One
+// callback serves both paths.
 void Runtime::queue_end_of_backward_locked() {
   if (end_of_backward_queued_) return;
-  c10::weak_intrusive_ptr<Runtime> weak(c10::intrusive_ptr<Runtime>::unsafe_reclaim_from_nonowning(this));
+  c10::weak_intrusive_ptr<Runtime> weak = weak_self();
   try {
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       if (auto runtime = weak.lock()) runtime->end_backward_pass();
     });
     end_of_backward_queued_ = true;
   } catch (const c10::Error&) {
-    // Not inside the autograd engine (a backward graph run by hand): the
-    // next graph of the other kind or a changed shard gives it up instead.
+    // Not inside the autograd engine (a backward graph run by hand, a saved
+    // tensor unpacked outside backward): the next graph of the other kind
+    // or a changed shard gives up what was gathered ahead, and the next
+    // backward's end drops the eager holds.
   }
+}
+
+void Runtime::queue_end_of_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  queue_end_of_backward_locked();
+}
+
+void Runtime::begin_eager_forward() {
+  if (torch::autograd::get_current_graph_task_id() != -1) return;  // recomputed in backward
+  std::lock_guard<std::mutex> lock(mutex_);
+  end_of_backward_queued_ = false;
+}
+
+int64_t Runtime::backward_ends() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return backward_ends_;
+}
+
+c10::weak_intrusive_ptr<Runtime> Runtime::weak_self() {
+  return c10::weak_intrusive_ptr<Runtime>(
+      c10::intrusive_ptr<Runtime>::unsafe_reclaim_from_nonowning(this));
 }
 
 void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
@@ -124,11 +151,15 @@ void Runtime::end_forward_graph(const std::vector<at::Tensor>& outputs) {
 }
 
 void Runtime::end_backward_pass() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  end_of_backward_queued_ = false;
-  if (std::optional<GatherBucket> stale = graphs_.end_pass(kBackwardGraph)) {
-    drop_unheld_locked(stale->ids);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    end_of_backward_queued_ = false;
+    ++backward_ends_;
+    if (std::optional<GatherBucket> stale = graphs_.end_pass(kBackwardGraph)) {
+      drop_unheld_locked(stale->ids);
+    }
   }
+  eager_scope_.end_backward();  // gathers and reduces: outside the lock
 }
 
 }  // namespace sharc

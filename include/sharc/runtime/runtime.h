@@ -25,6 +25,7 @@
 #include "sharc/runtime/communicator.h"
 #include "sharc/runtime/eager_prefetch.h"
 #include "sharc/runtime/eager_reduction.h"
+#include "sharc/runtime/eager_scope.h"
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
 #include "sharc/runtime/gather_spec.h"
@@ -223,8 +224,20 @@ class Runtime : public torch::CustomClassHolder {
   void prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>& key,
                            int64_t budget_bytes);
   /// The autograd engine's call at the end of a backward pass that ran a
-  /// compiled backward graph (see start_graph_gather).
+  /// compiled backward graph (see start_graph_gather) or eager backward
+  /// work (EagerScope): the one end-of-backward callback of both paths.
+  /// Blocking where gather units reduce.
   void end_backward_pass();
+  /// Queues end_backward_pass() with the autograd engine, once a pass
+  /// (nothing outside a backward pass).
+  void queue_end_of_backward();
+  /// An eager forward begins (its outermost scope): outside a backward
+  /// pass, no end-of-backward call is pending, even if the last backward
+  /// raised before its callbacks ran.
+  void begin_eager_forward();
+  /// end_backward_pass() calls so far (tests and statistics: one a backward
+  /// pass that gathered, eager or compiled).
+  int64_t backward_ends();
   /// A compiled forward graph is about to run on `inputs`. Unless one of
   /// them is an output of the forward graph that ran last (the very tensor),
   /// a new forward pass begins here: the graph is nobody's follower, and a
@@ -358,6 +371,8 @@ class Runtime : public torch::CustomClassHolder {
   std::string state(int64_t id);
   /// The parameter's name, as registered (its canonical module path).
   std::string name(int64_t id);
+  /// The parameter's true (full) shape.
+  std::vector<int64_t> shape(int64_t id);
   /// A meta tensor shaped like parameter `id`'s full value, in `dtype`.
   at::Tensor meta_full(int64_t id, c10::ScalarType dtype);
 
@@ -368,14 +383,8 @@ class Runtime : public torch::CustomClassHolder {
   EagerReduction& eager_reduction() { return eager_reduction_; }
   /// The eager path's gathers ahead (see [Note: eager prefetch]).
   EagerPrefetch& eager_prefetch() { return eager_prefetch_; }
-  /// A module of sharded root `root` begins its forward, and ends it: the
-  /// eager reduction draws its buckets and the eager prefetch its groups
-  /// from these.
-  void enter_module(int64_t root);
-  void exit_module();
-  /// Backward of `root` needs `id` gathered again (a saved tensor unpacked):
-  /// recorded for the next backward's prefetch, then gathered (one hold).
-  at::Tensor gather_for_backward(int64_t root, int64_t id);
+  /// The eager path's owner of gathered parameters (see [Note: eager holds]).
+  EagerScope& eager_scope() { return eager_scope_; }
 
   /// What this group's collectives cost, measured on the first call (a
   /// few small collectives on the parameters' device, the same numbers on
@@ -395,6 +404,8 @@ class Runtime : public torch::CustomClassHolder {
   /// shard (catches ids from another runtime and replaced `.data`).
   void check_shard(int64_t id, const at::Tensor& shard);
   ShardLayout layout(int64_t id);
+  /// A weak reference to this runtime, for callbacks that may outlive it.
+  c10::weak_intrusive_ptr<Runtime> weak_self();
 
  private:
   ShardedParam& param(int64_t id);
@@ -524,7 +535,9 @@ class Runtime : public torch::CustomClassHolder {
   GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
   EagerReduction eager_reduction_{*this};
   EagerPrefetch eager_prefetch_{*this};
+  EagerScope eager_scope_{*this};
   bool end_of_backward_queued_ = false;
+  int64_t backward_ends_ = 0;  ///< end_backward_pass() calls
   /// The outputs of the forward graph that ran last (begin_forward_graph).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> forward_outputs_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured

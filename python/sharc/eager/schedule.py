@@ -1,39 +1,44 @@
 """When gathered parameters live, for code that no compiled graph covers.
 
 [Note: eager schedule]
-Forward. Each module that owns sharded parameters (and the root module) opens
-a *scope* for the length of its forward. Reading `module.weight` inside a
-scope gathers the parameter (one hold on its runtime buffer) and caches the
-full tensor in the innermost scope, so repeated reads in one forward share one
-gather; closing the scope drops the holds. Tied parameters and parameters read
-by several modules are gathered once per reading scope and freed when the last
-hold goes. A read outside every scope (user code between steps) returns a
-copy of its own in the master dtype, so nothing stays gathered behind the
-user's back. A full tensor the user kept past its scope (`self.kept =
-self.weight`, or a view or array of it, which keep it alive) is not freed
-under them: its buffer is handed over to those references when the last
-hold goes (the runtime tracks the tensors it hands out, weakly) and the
-parameter gathers into a fresh buffer next time; sharc warns once per
-parameter. A `.detach()` of it is a new tensor the runtime cannot see: kept
-alone past the release it reads freed memory, as in compiled graphs, where
-`sharc.debug.released_reads_raise` finds such reads.
+The decisions are the runtime's (`EagerScope`, [Note: eager holds] in
+src/runtime/eager_scope.h and include/sharc/core/eager_holds.h); this file
+reports events to it and hands tensors through.
+
+Forward. Each module that owns sharded parameters (and the root module)
+reports where its forward begins and ends (a *scope*). Reading
+`module.weight` inside a scope asks the runtime, which gathers once per
+scope, holds the parameter until the scope closes and hands back the same
+full tensor for every read there. A read outside every scope (user code
+between steps) returns a copy of its own in the master dtype, so nothing
+stays gathered behind the user's back. A full tensor the user kept past its
+scope (`self.kept = self.weight`, or a view or array of it) is not freed
+under them: the runtime hands its buffer over to those references and
+warns once per parameter. A `.detach()` of it is a new tensor the runtime
+cannot see: kept alone past the release it reads freed memory, as in
+compiled graphs, where `sharc.debug.released_reads_raise` finds such reads.
 
 Backward. While any scope is open, saved-tensor hooks replace every saved
-tensor that lives in a gathered buffer by a handle (parameter, size, stride,
-offset). Unpacking a handle in backward gathers the parameter again (once per
-backward pass) and rebuilds the view. The backward hold is dropped when the
-gather's own backward (which hands the gradient to the runtime's eager
-reduction) has run, which autograd orders after
-every node that used the parameter, or at the end of the backward pass for
-parameters without gradients. Nothing full-size therefore survives from
-forward to backward, and several backward passes over one forward
-(retain_graph=True) each gather what they need.
+tensor that lives in a gathered buffer (the runtime tells which) by a handle
+(parameter, size, stride, offset), and a cast or copy of a gathered
+parameter by a handle that replays its views (`_SavedCopy`). Unpacking a
+handle asks the runtime for the parameter, which gathers it again once per
+backward pass and drops that hold when the gather's own backward has run, or
+at the end of the backward pass (its one end-of-backward callback). Nothing
+full-size therefore survives from forward to backward, and several backward
+passes over one forward (retain_graph=True) each gather what they need.
+
+Why the saved-copy walk stays here: it reads what autograd's generated
+nodes saved (`_saved_dim`, `_saved_start`, ...) and replays the views with
+tensor methods. Python sees those attributes under stable names in every
+torch release; in C++ they are fields of generated structs that differ
+between releases (sharc builds against several). Saved-tensor hooks are
+Python callables in any case.
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -48,10 +53,11 @@ class _SavedParam:
     """A saved tensor that is a gathered parameter or a view of it, kept as a
     handle: backward gathers again and takes the same view."""
 
-    __slots__ = ("ref", "size", "stride", "offset")
+    __slots__ = ("owner", "pid", "size", "stride", "offset")
 
-    def __init__(self, ref: ShardedParamRef, t: torch.Tensor):
-        self.ref = ref
+    def __init__(self, owner: EagerSchedule, pid: int, t: torch.Tensor):
+        self.owner = owner  # the schedule whose runtime gathers it again
+        self.pid = pid
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
@@ -67,10 +73,10 @@ class _SavedCopy:
     (`views`), copies them into a tensor laid out as the copy was, in its
     dtype, and takes the saved tensor's view of that."""
 
-    __slots__ = ("ref", "views", "copy", "dtype", "size", "stride", "offset")
+    __slots__ = ("owner", "pid", "views", "copy", "dtype", "size", "stride", "offset")
 
-    def __init__(self, ref: ShardedParamRef, views: tuple, t: torch.Tensor, copy: torch.Tensor):
-        self.ref = ref
+    def __init__(self, tag: tuple, views: tuple, t: torch.Tensor, copy: torch.Tensor):
+        self.owner, self.pid = tag  # what the read tagged the gather node with
         self.views = views
         self.copy = (copy.size(), copy.stride())
         self.dtype = t.dtype
@@ -139,47 +145,15 @@ def _saved_copy(t: torch.Tensor) -> _SavedCopy | None:
     if node is None or type(node).__name__ not in _COPY_NODES:
         return None
     gather, views = _views_up_to(node.next_functions[0][0])
-    ref = None if gather is None else gather.metadata.get(_GATHER_TAG)
+    tag = None if gather is None else gather.metadata.get(_GATHER_TAG)
     copy = t if t._base is None else t._base  # the copy, which t is a view of
-    if ref is None or copy.storage_offset() != 0:
+    if tag is None or copy.storage_offset() != 0:
         return None
     full = gather._input_metadata[0]  # the gathered parameter: contiguous
     taken = _take_views(torch.empty(list(full.shape), dtype=full.dtype, device="meta"), views)
     if list(taken.shape) != list(copy.shape):
         return None  # t's base is not the copy the chain names: keep t as it is
-    return _SavedCopy(ref, views, t, copy)
-
-
-class GatherUnit:
-    """Parameters that every rank gathers, re-gathers for backward and
-    reduce-scatters together (ShardConfig.gather_units): one collective each
-    at fixed points, whichever of them a rank's data actually uses."""
-
-    __slots__ = ("runtime", "refs", "ids")
-
-    def __init__(self, runtime, refs: list[ShardedParamRef]):
-        self.runtime = runtime
-        self.refs = refs
-        self.ids = [r.pid for r in refs]
-
-    def gather(self) -> None:
-        """Blocking: one bucketed all-gather, one hold on each parameter."""
-        self.runtime.start_gather(self.ids)
-        self.runtime.wait_gather(self.ids)
-
-    def reduce(self) -> None:
-        """Blocking: reduce-scatters what backward held back (zeros for what
-        this rank never used) and adds it to the shards' gradients."""
-        trainable = [r for r in self.refs if r.shard.requires_grad]
-        if not trainable:
-            return
-        grads = self.runtime.flush_unit([r.pid for r in trainable])
-        with torch.no_grad():
-            for ref, grad in zip(trainable, grads):
-                if ref.shard.grad is None:
-                    ref.shard.grad = grad
-                else:
-                    ref.shard.grad += grad
+    return _SavedCopy(tag, views, t, copy)
 
 
 # In-place ops on an OutsideForwardCopy, by name (besides `op_`).
@@ -232,13 +206,6 @@ def _views_as_copies(out, copy: OutsideForwardCopy):
     return view
 
 
-class _Scope:
-    __slots__ = ("full",)
-
-    def __init__(self) -> None:
-        self.full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
-
-
 def _skip_as_frames(cls):
     for name in ("forward_pre_hook", "forward_hook"):
         never_a_frame_of_its_own(getattr(cls, name))
@@ -252,38 +219,25 @@ def _saved_tensor_hooks_active() -> bool:
 
 @_skip_as_frames
 class EagerSchedule:
-    """Gather/release policy for one sharded root module (see the note above)."""
+    """The eager path's events for one sharded root module, reported to the
+    runtime, which decides what is gathered, held and released (see the
+    note above)."""
 
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
                  prefetch: bool = True, checks: RankCheck | None = None,
                  reduce_bucket_bytes: int = 4 << 20):
-        self._scopes: list[_Scope] = []
-        # The runtime decides what to gather ahead and how gradients are
-        # reduced, from the events reported here: where each module's
-        # forward begins and ends, what backward gathers again, when it ends
-        # ([Note: eager prefetch] in core/pass_recording.h, [Note: eager
-        # reduction] in runtime/eager_reduction.h).
         self._runtime = refs[0].runtime if refs else None
         self._root = next(_ROOT_KEYS)
         if self._runtime is not None:  # gather units gather on their own
+            self._runtime.eager_add_root(self._root, [r.pid for r in refs])
             self._runtime.set_eager_prefetch(self._root, prefetch, sorted(unit_ids))
             self._runtime.set_eager_bucket_bytes(self._root, reduce_bucket_bytes)
         self.checks = checks  # reads outside forward are collective: checked first
-        self._saved_hooks = None
-        self._delegating_saves = False  # another saved-tensor hook pair is active
-        # Base storages are owned by the runtime for the life of the module,
-        # so their addresses identify parameters without reuse.
-        self._by_storage = {
-            r.runtime.padded_base(r.pid).untyped_storage()._cdata: r for r in refs}
-        self._backward_full: dict[int, tuple[ShardedParamRef, torch.Tensor]] = {}
-        self._units_in_backward: list[GatherUnit] = []
-        self._end_of_backward_queued = False
-        self._warned_kept: set[int] = set()
+        self._saved_hooks = None  # sharc's saved-tensor hook pair, while pushed
         # While sharc's own code reads the shards by module.state_dict().
         self.raw_state_dict = False
         # sharc.unsharded(): parameter id -> the full tensor every read gives.
         self.unsharded: dict[int, torch.Tensor] | None = None
-
 
     # -- forward scopes -------------------------------------------------
     # Inside a compiled frame the module hooks do nothing: reads are captured
@@ -302,92 +256,74 @@ class EagerSchedule:
     # still matched by its release.
     @torch.compiler.disable
     def enter_scope(self) -> None:
-        if not self._scopes:
-            # Saved-tensor hooks do not chain: only the innermost pair sees a
-            # save. Where someone else's pair is already active (activation
-            # checkpointing recomputing this forward in backward, which must
-            # see every save it saw the first time; `save_on_cpu` around the
-            # model), sharc leaves every save to it. A gathered parameter
-            # saved there lives as long as that pair keeps it, so its buffer
-            # is handed over at release (release mode "hand_over"), quietly: that
-            # is the pair's design, not a user's kept reference.
-            self._delegating_saves = _saved_tensor_hooks_active()
-            if not self._delegating_saves:
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                    self._pack, self._unpack)
-                self._saved_hooks.__enter__()
-        self._scopes.append(_Scope())
-        if self._runtime is not None:
-            self._runtime.enter_module(self._root)
+        if self._runtime is None:
+            return
+        # Saved-tensor hooks do not chain: only the innermost pair sees a
+        # save. Where someone else's pair is already active when the
+        # outermost scope opens (activation checkpointing recomputing this
+        # forward in backward, which must see every save it saw the first
+        # time; `save_on_cpu` around the model), sharc leaves every save to
+        # it, and the runtime hands buffers over at release.
+        elsewhere = self._saved_hooks is None and _saved_tensor_hooks_active()
+        if self._runtime.eager_enter(self._root, elsewhere) and not elsewhere:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack, self._unpack)
+            self._saved_hooks.__enter__()
 
     @torch.compiler.disable
     def exit_scope(self) -> None:
-        scope = self._scopes.pop()
-        held = [ref for ref, _ in scope.full.values()]
-        scope.full.clear()  # before releasing: only references from outside remain
-        for ref in held:
-            self._let_go(ref)
-        if self._runtime is not None:
-            self._runtime.exit_module()
-        if not self._scopes:
-            self._delegating_saves = False
-            if self._saved_hooks is not None:
-                self._saved_hooks.__exit__(None, None, None)
-                self._saved_hooks = None
+        if self._runtime is None:
+            return
+        if self._runtime.eager_exit(self._root) and self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
 
     @torch.compiler.disable
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
         if self.unsharded is not None:
             return self.unsharded[ref.pid]
-        if not self._scopes:  # a copy of its own, in the master dtype
+        full, fresh = self._runtime.eager_read(self._root, ref.pid, ref.shard)
+        if full is None:  # outside every scope: a copy of its own, in the master dtype
             if self.checks is not None:
                 self.checks.agree(_rank_check.OUTSIDE_READ, f"'{ref.fqn}'", ref.pid)
             copy = ref.all_gather_op().as_subclass(OutsideForwardCopy)
             copy.sharc_fqn = ref.fqn
             return copy
-        scope = self._scopes[-1]
-        cached = scope.full.get(ref.pid)
-        if cached is not None:
-            return cached[1]
-        full = ref.gather_op()
-        scope.full[ref.pid] = (ref, full)
-        if full.grad_fn is not None:
-            full.grad_fn.metadata[_GATHER_TAG] = ref
-            full.grad_fn.register_hook(lambda *_: self._release_backward(ref.pid))
+        if fresh and full.grad_fn is not None:  # for _saved_copy
+            full.grad_fn.metadata[_GATHER_TAG] = (self, ref.pid)
         return full
 
     # -- gather units ---------------------------------------------------
+    def add_unit(self, refs: list[ShardedParamRef]) -> int:
+        """A gather unit's parameters; returns its index for the hooks."""
+        return self._runtime.eager_add_unit(self._root, [r.pid for r in refs],
+                                            [r.shard for r in refs])
+
     # Eager even inside compiled frames (a graph break at each unit): the
     # unit's collectives must run on every rank at the same point.
     @torch.compiler.disable
-    def enter_unit(self, unit: GatherUnit) -> None:
-        unit.gather()
+    def enter_unit(self, unit: int) -> None:
+        self._runtime.eager_enter_unit(self._root, unit)
 
     @torch.compiler.disable
-    def exit_unit(self, unit: GatherUnit, output) -> None:
-        self._release_unit(unit)
+    def exit_unit(self, unit: int, output) -> None:
+        self._runtime.eager_exit_unit(self._root, unit)
         outputs = [t for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
+            # The gradient of the unit's output arrived: the runtime gathers
+            # the unit for its backward and reduces it at the end of backward.
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda *_: self._unit_backward(unit), mode="any")
-
-    def _unit_backward(self, unit: GatherUnit) -> None:
-        """The unit's output gradient arrived: gather it whole for its
-        backward; it is reduced and released at the end of backward."""
-        if unit in self._units_in_backward:
-            return
-        unit.gather()
-        self._units_in_backward.append(unit)
-        self._queue_end_of_backward()
+                outputs, lambda *_: self._runtime.eager_unit_backward(self._root, unit),
+                mode="any")
 
     # -- backward -------------------------------------------------------
     @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
-        ref = self._by_storage.get(t.untyped_storage()._cdata)
-        if ref is not None:
-            return _SavedParam(ref, t)
+        pid = self._runtime.eager_saved_param(self._root, t)
+        if pid >= 0:
+            return _SavedParam(self, pid, t)
         handle = _saved_copy(t) if t.grad_fn is not None else None
         return t if handle is None else handle
 
@@ -395,66 +331,5 @@ class EagerSchedule:
     def _unpack(self, saved):
         if not isinstance(saved, (_SavedParam, _SavedCopy)):
             return saved
-        return saved.rebuild(self._gather_for_backward(saved.ref))
-
-    def _gather_for_backward(self, ref: ShardedParamRef) -> torch.Tensor:
-        entry = self._backward_full.get(ref.pid)
-        if entry is None:
-            entry = (ref, ref.runtime.gather_for_backward(self._root, ref.pid))
-            self._backward_full[ref.pid] = entry
-            self._queue_end_of_backward()
-        return entry[1]
-
-    def _release_backward(self, pid: int) -> None:
-        entry = self._backward_full.pop(pid, None)
-        if entry is not None:
-            ref = entry[0]
-            del entry  # only references from outside may remain
-            self._let_go(ref)
-
-    def _queue_end_of_backward(self) -> None:
-        if self._end_of_backward_queued:
-            return
-        self._end_of_backward_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._end_of_backward_queued = False
-        units, self._units_in_backward = self._units_in_backward, []
-        for unit in units:  # in the same order on every rank
-            unit.reduce()
-            self._release_unit(unit)
-        for pid in list(self._backward_full):
-            self._release_backward(pid)
-        if self._runtime is not None:
-            self._runtime.end_eager_backward(self._root)
-
-    # -- letting go -----------------------------------------------------
-    def _release_unit(self, unit: GatherUnit) -> None:
-        for ref in unit.refs:
-            self._let_go(ref)
-
-    def _rekey_base(self, ref: ShardedParamRef) -> None:
-        """The parameter got a fresh base buffer: key it by the new storage."""
-        self._by_storage = {k: r for k, r in self._by_storage.items() if r is not ref}
-        self._by_storage[ref.runtime.padded_base(ref.pid).untyped_storage()._cdata] = ref
-
-    def _let_go(self, ref: ShardedParamRef) -> None:
-        """Drops one hold. A buffer something outside still references when
-        its last hold goes (a kept `module.weight`, a view, a numpy array) is
-        handed to those references rather than freed under them."""
-        if self._delegating_saves:
-            if ref.runtime.release(ref.pid, "hand_over"):
-                self._rekey_base(ref)
-            return
-        if not ref.runtime.release(ref.pid, "free_or_hand_over"):
-            return
-        self._rekey_base(ref)
-        if ref.pid not in self._warned_kept:
-            self._warned_kept.add(ref.pid)
-            warnings.warn(
-                f"sharc: the gathered parameter '{ref.fqn}' was still referenced when "
-                "sharc released it (a `module.weight` kept past its module's forward, or a "
-                "view or array of it). That reference keeps the values of that gather, "
-                "and their memory, until it is dropped; it does not follow later updates. "
-                "Read the module attribute again instead of keeping it.", stacklevel=2)
+        owner = saved.owner
+        return saved.rebuild(owner._runtime.eager_unpack(owner._root, saved.pid))

@@ -1,0 +1,104 @@
+#pragma once
+// Which gathered parameters the eager schedule holds, and until when.
+//
+// [Note: eager holds]
+// Forward. The root module and each module that owns sharded parameters
+// open a *scope* for the length of their forward. The first read of a
+// parameter inside a scope gathers it (one hold on its buffer) and the scope
+// keeps the full tensor, so later reads in that scope share the gather and
+// its autograd node; closing the scope drops its holds. The innermost scope
+// owns a read: a parent that reads a child's parameter holds it for the
+// parent's forward. A tied parameter read in two scopes is held by both and
+// freed when the last hold goes.
+//
+// Backward. A saved tensor that is (derived from) a gathered parameter is
+// kept as a handle, and unpacking it gathers the parameter again: one
+// backward hold per parameter and backward pass, shared by every unpack.
+// The hold is dropped when the gather's own backward has run (autograd runs
+// it after every node that used the parameter) or, for parameters whose
+// gradient never reached the gather (frozen ones among them), at the end of
+// the backward pass.
+//
+// These classes keep the bookkeeping only, whatever the held value is (the
+// full tensor in the runtime); the runtime's EagerScope
+// (runtime/eager_scope.h) gathers and releases. Not thread-safe: the owner
+// locks.
+
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace sharc {
+
+/// The open forward scopes of one sharded root, innermost last.
+template <typename Full>
+class ScopeStack {
+ public:
+  /// Opens a scope; returns whether it is the outermost one.
+  bool open() {
+    scopes_.emplace_back();
+    return scopes_.size() == 1;
+  }
+
+  bool is_open() const { return !scopes_.empty(); }
+
+  /// What the innermost scope holds for `id`, or nullptr.
+  const Full* find(int64_t id) const {
+    if (scopes_.empty()) return nullptr;
+    for (const auto& [held, full] : scopes_.back()) {
+      if (held == id) return &full;
+    }
+    return nullptr;
+  }
+
+  /// The innermost scope takes a hold on `id`, gathered as `full`.
+  void hold(int64_t id, Full full) { scopes_.back().emplace_back(id, std::move(full)); }
+
+  /// Closes the innermost scope (nothing if none is open). Returns the
+  /// parameters whose holds it drops, in the order they were taken; the
+  /// values are gone by then, so only references from outside remain when
+  /// the caller releases them.
+  std::vector<int64_t> close() {
+    std::vector<int64_t> ids;
+    if (scopes_.empty()) return ids;
+    for (const auto& entry : scopes_.back()) ids.push_back(entry.first);
+    scopes_.pop_back();
+    return ids;
+  }
+
+ private:
+  std::vector<std::vector<std::pair<int64_t, Full>>> scopes_;
+};
+
+/// The parameters one sharded root holds gathered for the backward pass.
+template <typename Full>
+class BackwardHolds {
+ public:
+  /// What is held for `id`, or nullptr.
+  const Full* find(int64_t id) const {
+    auto it = held_.find(id);
+    return it == held_.end() ? nullptr : &it->second;
+  }
+
+  void hold(int64_t id, Full full) { held_.emplace(id, std::move(full)); }
+
+  /// Drops `id`'s hold; returns whether there was one (the gather's
+  /// backward runs once per pass, the end of backward may come after it).
+  bool drop(int64_t id) { return held_.erase(id) > 0; }
+
+  /// Drops every hold; returns their parameters, in id order.
+  std::vector<int64_t> drop_all() {
+    std::vector<int64_t> ids;
+    for (const auto& entry : held_) ids.push_back(entry.first);
+    held_.clear();
+    return ids;
+  }
+
+  bool empty() const { return held_.empty(); }
+
+ private:
+  std::map<int64_t, Full> held_;
+};
+
+}  // namespace sharc

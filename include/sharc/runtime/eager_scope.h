@@ -1,0 +1,132 @@
+#pragma once
+// The eager path's owner of gathered parameters: what is gathered, held and
+// released in forward scopes, for backward and for gather units (see
+// [Note: eager holds] in core/eager_holds.h).
+//
+// Python's EagerSchedule reports events only: a module's forward begins or
+// ends, code reads a parameter, autograd saves or unpacks a tensor, backward
+// reached a gather unit. This object decides what to gather and when to
+// release, and the runtime's end-of-backward callback (the one it queues for
+// compiled backward graphs too) ends the eager backward work here.
+//
+// Thread safety: one mutex guards the bookkeeping; it is never held across a
+// gather, a release or an operator call (backward runs on engine threads,
+// and an operator may call into Python).
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "sharc/core/eager_holds.h"
+
+namespace c10 {
+struct StorageImpl;
+}
+
+namespace sharc {
+
+class Runtime;
+
+class EagerScope {
+ public:
+  explicit EagerScope(Runtime& runtime) : runtime_(runtime) {}
+
+  /// Sharded root `root` owns `ids`: a saved tensor in one of their
+  /// buffers is kept as a handle (saved_param). Does not communicate.
+  void add_root(int64_t root, const std::vector<int64_t>& ids);
+  /// A gather unit of `root` (ShardConfig.gather_units): `ids` and their
+  /// shards (the nn.Parameters, whose `.grad` the unit's reduction adds
+  /// to). Returns its index for the unit events below.
+  int64_t add_unit(int64_t root, const std::vector<int64_t>& ids,
+                   const std::vector<at::Tensor>& shards);
+
+  /// A module of `root` begins its forward. `saves_elsewhere`: another
+  /// saved-tensor hook pair is active, so sharc's own sees no save (read
+  /// at the outermost scope only; see release_mode_locked). Returns whether
+  /// this is the root's outermost scope (where Python pushes its pair).
+  bool enter(int64_t root, bool saves_elsewhere);
+  /// The innermost module of `root` ends its forward: its scope's holds are
+  /// dropped. Returns whether that was the root's outermost scope.
+  bool exit(int64_t root);
+  /// `module.<name>` read inside a forward: the full tensor the innermost
+  /// scope holds, gathering it (blocking; one hold) on its first read
+  /// there, and whether this read gathered it. No tensor when no scope of
+  /// `root` is open (a read outside forward, which is Python's).
+  std::tuple<std::optional<at::Tensor>, bool> read(int64_t root, int64_t id,
+                                                    const at::Tensor& shard);
+
+  /// The parameter of `root` whose gathered buffer `saved` lives in (a
+  /// tensor autograd saves), or -1.
+  int64_t saved_param(int64_t root, const at::Tensor& saved) const;
+  /// Backward of `root` unpacks a saved handle of `id`: the full tensor,
+  /// gathered again (blocking) on the pass's first unpack and held until
+  /// the gather's backward ran or backward ends.
+  at::Tensor unpack(int64_t root, int64_t id);
+
+  /// A gather unit's forward begins (blocking: one bucketed all-gather, one
+  /// hold on each of its parameters), and ends (the holds dropped).
+  void enter_unit(int64_t root, int64_t unit);
+  void exit_unit(int64_t root, int64_t unit);
+  /// The gradient of a unit's output arrived: the unit is gathered whole
+  /// (once a pass) for its backward, reduced and released at its end.
+  void unit_backward(int64_t root, int64_t unit);
+
+  /// The backward of the gather a forward read of `root` made for `id` has
+  /// run (its post hook): the backward hold on `id`, if any, is dropped.
+  void release_backward_hold(int64_t root, int64_t id);
+
+  /// The backward pass ended (the runtime's end-of-backward callback):
+  /// reduces the units (blocking collectives, in the same order on every
+  /// rank), drops every backward hold and ends the eager prefetch's pass
+  /// for each root that gathered for backward.
+  void end_backward();
+
+ private:
+  struct Unit {
+    std::vector<int64_t> ids;
+    /// The nn.Parameters, weakly: the model owns them (and their grads),
+    /// and the runtime outlives models.
+    std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> shards;
+  };
+  struct Root {
+    ScopeStack<at::Tensor> scopes;
+    BackwardHolds<at::Tensor> backward;
+    bool saves_elsewhere = false;  ///< set at the outermost scope
+    std::vector<Unit> units;
+    std::vector<int64_t> units_in_backward;  ///< in the order backward reached them
+  };
+
+  Root& root_locked(int64_t root);
+  /// Gathers `id` for a forward read: the eager gather operator (autograd
+  /// wires its gradient to the reduction), whose backward drops the
+  /// backward hold.
+  at::Tensor gather_for_read(int64_t root, int64_t id, const at::Tensor& shard);
+  /// `root` did backward work this pass: the end of backward visits it.
+  void note_backward_locked(int64_t root);
+  /// Drops one hold (see let_go in eager_scope.cpp).
+  void let_go(int64_t root, int64_t id);
+  /// Blocking: reduces what the unit's backward held back into its shards' grads.
+  void reduce_unit(const Unit& unit);
+  /// The parameter got a fresh base buffer: key it by the new storage.
+  void rekey_locked(int64_t root, int64_t id);
+
+  Runtime& runtime_;
+  mutable std::mutex mutex_;
+  std::map<int64_t, Root> roots_;
+  /// Each parameter's current base storage -> (root, id). The runtime owns
+  /// base storages for the life of the parameter, so an address never
+  /// names an activation; a buffer handed over is rekeyed at once.
+  std::unordered_map<const c10::StorageImpl*, std::pair<int64_t, int64_t>> by_storage_;
+  std::vector<int64_t> backward_roots_;  ///< in the order of their first backward work
+  std::set<int64_t> warned_kept_;        ///< parameters warned about once
+};
+
+}  // namespace sharc

@@ -1,0 +1,303 @@
+// The eager path's owner of gathered parameters: see eager_scope.h and
+// [Note: eager holds].
+
+#include "sharc/runtime/eager_scope.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include "sharc/core/error.h"
+#include "sharc/runtime/runtime.h"
+
+namespace sharc {
+namespace {
+
+using torch::autograd::variable_list;
+
+/// Runs after the gather's backward (which autograd orders after every
+/// node that used the parameter): the backward hold can go.
+class DropBackwardHold : public torch::autograd::FunctionPostHook {
+ public:
+  DropBackwardHold(c10::weak_intrusive_ptr<Runtime> runtime, int64_t root, int64_t id)
+      : runtime_(std::move(runtime)), root_(root), id_(id) {}
+
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& /*inputs*/) override {
+    if (auto runtime = runtime_.lock()) runtime->eager_scope().release_backward_hold(root_, id_);
+    return outputs;
+  }
+
+ private:
+  c10::weak_intrusive_ptr<Runtime> runtime_;
+  int64_t root_;
+  int64_t id_;
+};
+
+// Without the checks of Tensor::storage(), which throws for tensors whose
+// storage must not be accessed (functorch's wrappers): those are nobody's
+// gathered buffer.
+const c10::StorageImpl* storage_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  return t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+}
+
+}  // namespace
+
+EagerScope::Root& EagerScope::root_locked(int64_t root) {
+  auto it = roots_.find(root);
+  SHARC_CHECK(it != roots_.end(), "sharc: no sharded root ", root, " in group '",
+              runtime_.group_name(), "'");
+  return it->second;
+}
+
+void EagerScope::add_root(int64_t root, const std::vector<int64_t>& ids) {
+  std::vector<const c10::StorageImpl*> storages;
+  for (int64_t id : ids) storages.push_back(storage_of(runtime_.padded_base(id)));
+  std::lock_guard<std::mutex> lock(mutex_);
+  roots_[root];
+  for (size_t i = 0; i < ids.size(); ++i) by_storage_[storages[i]] = {root, ids[i]};
+}
+
+int64_t EagerScope::add_unit(int64_t root, const std::vector<int64_t>& ids,
+                             const std::vector<at::Tensor>& shards) {
+  SHARC_CHECK(ids.size() == shards.size(), "sharc: a gather unit of ", ids.size(),
+              " parameters given ", shards.size(), " shards");
+  std::lock_guard<std::mutex> lock(mutex_);
+  Root& r = root_locked(root);
+  Unit unit{ids, {}};
+  for (const at::Tensor& shard : shards) unit.shards.emplace_back(shard.getIntrusivePtr());
+  r.units.push_back(std::move(unit));
+  return static_cast<int64_t>(r.units.size()) - 1;
+}
+
+// -- forward scopes ---------------------------------------------------------
+
+bool EagerScope::enter(int64_t root, bool saves_elsewhere) {
+  bool outermost = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Root& r = root_locked(root);
+    outermost = r.scopes.open();
+    if (outermost) r.saves_elsewhere = saves_elsewhere;
+  }
+  if (outermost) runtime_.begin_eager_forward();
+  runtime_.eager_reduction().enter_module(root);
+  runtime_.eager_prefetch().enter_module(root);
+  return outermost;
+}
+
+bool EagerScope::exit(int64_t root) {
+  std::vector<int64_t> held;
+  bool outermost = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Root& r = root_locked(root);
+    if (!r.scopes.is_open()) return false;  // a second exit: nothing to drop
+    held = r.scopes.close();  // the scope's tensors go first: only outside references remain
+    outermost = !r.scopes.is_open();
+  }
+  for (int64_t id : held) let_go(root, id);
+  runtime_.eager_reduction().exit_module();
+  runtime_.eager_prefetch().exit_module();
+  if (outermost) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    root_locked(root).saves_elsewhere = false;
+  }
+  return outermost;
+}
+
+std::tuple<std::optional<at::Tensor>, bool> EagerScope::read(int64_t root, int64_t id,
+                                                             const at::Tensor& shard) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Root& r = root_locked(root);
+    if (!r.scopes.is_open()) return {std::nullopt, false};
+    if (const at::Tensor* full = r.scopes.find(id)) return {*full, false};
+  }
+  at::Tensor full = gather_for_read(root, id, shard);
+  std::lock_guard<std::mutex> lock(mutex_);
+  root_locked(root).scopes.hold(id, full);
+  return {full, true};
+}
+
+at::Tensor EagerScope::gather_for_read(int64_t root, int64_t id, const at::Tensor& shard) {
+  // Through the dispatcher, autograd included: its gradient is reduced in
+  // buckets (eager_reduction.h), and dispatch modes see the read.
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("sharc::gather", "")
+                       .typed<at::Tensor(const at::Tensor&, c10::IntArrayRef,
+                                         const std::string&, int64_t)>();
+  at::Tensor full = op.call(shard, runtime_.shape(id), runtime_.group_name(), id);
+  if (const auto& node = full.grad_fn()) {
+    node->add_post_hook(std::make_unique<DropBackwardHold>(runtime_.weak_self(), root, id));
+  }
+  return full;
+}
+
+// -- backward ---------------------------------------------------------------
+
+int64_t EagerScope::saved_param(int64_t root, const at::Tensor& saved) const {
+  const c10::StorageImpl* storage = storage_of(saved);
+  if (storage == nullptr) return -1;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = by_storage_.find(storage);
+  return it != by_storage_.end() && it->second.first == root ? it->second.second : -1;
+}
+
+at::Tensor EagerScope::unpack(int64_t root, int64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (const at::Tensor* full = root_locked(root).backward.find(id)) return *full;
+  }
+  // Recorded for the next backward's prefetch, which may start its group.
+  runtime_.eager_prefetch().on_backward_gather(root, id);
+  at::Tensor full = runtime_.gather(id);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    root_locked(root).backward.hold(id, full);
+    note_backward_locked(root);
+  }
+  runtime_.queue_end_of_backward();
+  return full;
+}
+
+void EagerScope::note_backward_locked(int64_t root) {
+  if (std::find(backward_roots_.begin(), backward_roots_.end(), root) == backward_roots_.end()) {
+    backward_roots_.push_back(root);
+  }
+}
+
+void EagerScope::release_backward_hold(int64_t root, int64_t id) {
+  bool dropped = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dropped = root_locked(root).backward.drop(id);
+  }
+  if (dropped) let_go(root, id);
+}
+
+// -- gather units -----------------------------------------------------------
+
+void EagerScope::enter_unit(int64_t root, int64_t unit) {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ids = root_locked(root).units.at(static_cast<size_t>(unit)).ids;
+  }
+  runtime_.start_gather(ids);
+  runtime_.wait_gather(ids);
+}
+
+void EagerScope::exit_unit(int64_t root, int64_t unit) {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ids = root_locked(root).units.at(static_cast<size_t>(unit)).ids;
+  }
+  for (int64_t id : ids) let_go(root, id);
+}
+
+void EagerScope::unit_backward(int64_t root, int64_t unit) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::vector<int64_t>& reached = root_locked(root).units_in_backward;
+    if (std::find(reached.begin(), reached.end(), unit) != reached.end()) return;
+  }
+  enter_unit(root, unit);  // gathered whole, at the same point on every rank
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    root_locked(root).units_in_backward.push_back(unit);
+    note_backward_locked(root);
+  }
+  runtime_.queue_end_of_backward();
+}
+
+void EagerScope::reduce_unit(const Unit& unit) {
+  std::vector<int64_t> ids;
+  std::vector<at::Tensor> shards;
+  for (size_t i = 0; i < unit.ids.size(); ++i) {
+    at::Tensor shard(unit.shards[i].lock());
+    if (!shard.defined() || !shard.requires_grad()) continue;  // gone, or frozen
+    ids.push_back(unit.ids[i]);
+    shards.push_back(shard);
+  }
+  if (ids.empty()) return;
+  std::vector<at::Tensor> grads = runtime_.flush_unit(ids);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    at::Tensor& grad = shards[i].mutable_grad();
+    if (grad.defined()) {
+      grad.add_(grads[i]);
+    } else {
+      grad = grads[i];
+    }
+  }
+}
+
+void EagerScope::end_backward() {
+  std::vector<int64_t> roots;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    roots.swap(backward_roots_);
+  }
+  for (int64_t root : roots) {
+    std::vector<int64_t> units;
+    std::vector<Unit> reached;
+    std::vector<int64_t> held;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      Root& r = root_locked(root);
+      units.swap(r.units_in_backward);
+      for (int64_t unit : units) reached.push_back(r.units.at(static_cast<size_t>(unit)));
+      held = r.backward.drop_all();
+    }
+    for (const Unit& unit : reached) {  // in the same order on every rank
+      reduce_unit(unit);
+      for (int64_t id : unit.ids) let_go(root, id);
+    }
+    for (int64_t id : held) let_go(root, id);
+    runtime_.eager_prefetch().end_backward(root);
+  }
+}
+
+// -- letting go -------------------------------------------------------------
+
+// Drops one hold. A buffer something outside still references when its last
+// hold goes (a kept `module.weight`, a view, a numpy array) is handed to
+// those references rather than freed under them, with a warning once per
+// parameter. While another saved-tensor hook pair keeps the forward's saves
+// (activation checkpointing's recomputation keeps detached aliases, which
+// handed-out tracking cannot see), every buffer is handed over, quietly:
+// that is the pair's design, not a user's kept reference.
+void EagerScope::let_go(int64_t root, int64_t id) {
+  bool quiet = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    quiet = root_locked(root).saves_elsewhere;
+  }
+  const ReleaseMode mode = quiet ? ReleaseMode::kHandOver : ReleaseMode::kFreeOrHandOver;
+  if (!runtime_.release(id, mode)) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rekey_locked(root, id);
+    if (quiet || !warned_kept_.insert(id).second) return;
+  }
+  TORCH_WARN("sharc: the gathered parameter '", runtime_.name(id),
+             "' was still referenced when sharc released it (a `module.weight` kept past its "
+             "module's forward, or a view or array of it). That reference keeps the values of "
+             "that gather, and their memory, until it is dropped; it does not follow later "
+             "updates. Read the module attribute again instead of keeping it.");
+}
+
+void EagerScope::rekey_locked(int64_t root, int64_t id) {
+  for (auto it = by_storage_.begin(); it != by_storage_.end();) {
+    it = it->second.second == id ? by_storage_.erase(it) : std::next(it);
+  }
+  by_storage_[storage_of(runtime_.padded_base(id))] = {root, id};
+}
+
+}  // namespace sharc

@@ -1,0 +1,79 @@
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "sharc/core/eager_holds.h"
+
+namespace sharc {
+namespace {
+
+using Ids = std::vector<int64_t>;
+
+TEST(ScopeStack, OnlyTheFirstScopeIsOutermost) {
+  ScopeStack<std::string> scopes;
+  EXPECT_FALSE(scopes.is_open());
+  EXPECT_TRUE(scopes.open());
+  EXPECT_FALSE(scopes.open());
+  scopes.close();
+  EXPECT_TRUE(scopes.is_open());
+  scopes.close();
+  EXPECT_FALSE(scopes.is_open());
+}
+
+TEST(ScopeStack, ARepeatedReadFindsWhatTheInnermostScopeHolds) {
+  ScopeStack<std::string> scopes;
+  EXPECT_EQ(scopes.find(1), nullptr);  // no scope open
+  scopes.open();
+  scopes.hold(1, "w1");
+  ASSERT_NE(scopes.find(1), nullptr);
+  EXPECT_EQ(*scopes.find(1), "w1");
+  // A child's scope owns its own reads: the parent's gather is not shared.
+  scopes.open();
+  EXPECT_EQ(scopes.find(1), nullptr);
+  scopes.hold(1, "w1 again");
+  EXPECT_EQ(*scopes.find(1), "w1 again");
+  EXPECT_EQ(scopes.close(), Ids{1});
+  EXPECT_EQ(*scopes.find(1), "w1");
+}
+
+TEST(ScopeStack, ClosingDropsTheScopesHoldsInReadOrderValuesFirst) {
+  ScopeStack<std::shared_ptr<int>> scopes;
+  auto full = std::make_shared<int>(7);
+  scopes.open();
+  scopes.hold(3, full);
+  scopes.hold(1, std::make_shared<int>(8));
+  EXPECT_EQ(full.use_count(), 2);
+  EXPECT_EQ(scopes.close(), (Ids{3, 1}));
+  EXPECT_EQ(full.use_count(), 1);  // only the reference from outside remains
+}
+
+TEST(ScopeStack, ClosingWithNoScopeOpenDropsNothing) {
+  ScopeStack<int> scopes;
+  EXPECT_TRUE(scopes.close().empty());
+}
+
+TEST(BackwardHolds, OneHoldPerParameterDroppedOnce) {
+  BackwardHolds<std::string> holds;
+  EXPECT_TRUE(holds.empty());
+  holds.hold(4, "w4");
+  ASSERT_NE(holds.find(4), nullptr);
+  EXPECT_EQ(*holds.find(4), "w4");
+  EXPECT_TRUE(holds.drop(4));   // the gather's backward ran
+  EXPECT_FALSE(holds.drop(4));  // the end of backward finds it gone
+  EXPECT_EQ(holds.find(4), nullptr);
+}
+
+TEST(BackwardHolds, TheEndOfBackwardDropsWhatIsLeftInIdOrder) {
+  BackwardHolds<int> holds;
+  holds.hold(9, 0);
+  holds.hold(2, 0);
+  holds.hold(5, 0);
+  EXPECT_TRUE(holds.drop(5));
+  EXPECT_EQ(holds.drop_all(), (Ids{2, 9}));
+  EXPECT_TRUE(holds.empty());
+  EXPECT_TRUE(holds.drop_all().empty());
+}
+
+}  // namespace
+}  // namespace sharc
