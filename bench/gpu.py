@@ -131,8 +131,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _run_row(row: str, opts: dict) -> dict:
-    """Builds, compiles, warms up and times one row; returns its figures."""
+def _training_step(row: str, opts: dict):
+    """The row's group, model, optimizer and batch, set up on the device; returns
+    one training step (its loss, detached) and the parameter count."""
     import torch
 
     device = opts["device"]
@@ -153,6 +154,15 @@ def _run_row(row: str, opts: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step, params
+
+
+def _run_row(row: str, opts: dict) -> dict:
+    """Builds, compiles, warms up and times one row; returns its figures."""
+    import torch
+
+    device = opts["device"]
+    step, params = _training_step(row, opts)
     _sync(device)
     t0 = time.perf_counter()
     first_loss = step().float().item()

@@ -57,22 +57,7 @@ def _profile_row(row: str, opts: dict) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     device = opts["device"]
-    if device == "cuda":
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    gpu._init_group(device)
-    model, step_fn, _ = gpu._build(row, opts)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
-    x, y = gpu._batch(opts)
-
-    def step():
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = step_fn(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step, _ = gpu._training_step(row, opts)
     t0 = time.perf_counter()
     step()
     gpu._sync(device)
