@@ -55,6 +55,22 @@ def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * per:(rank + 1) * per]
 
 
+def train_losses(model, opt, steps: int, rank: int, world: int, batch: int = 4) -> list[float]:
+    """`steps` next-character steps of a GPT on this rank's slice of the
+    global batch (step i reads batch i); each step's loss."""
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, batch)
+        logits = model(rank_slice(x, rank, world))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 rank_slice(y, rank, world).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """The reference layout: flatten, pad to W * ceil(n / W), take slice r."""
     n = full.numel()

@@ -18,7 +18,7 @@ import os
 import torch
 
 from dist_harness import run_ranks
-from models import global_batch, rank_slice
+from models import train_losses
 
 BLOCKS = 2
 STEPS = 3
@@ -43,16 +43,7 @@ def _train(rank, world, cache_dir, other_group):
     for block in model.blocks:  # identical blocks, each its own graphs
         block.compile(backend="sharc", options=OPTIONS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, 4)
-        logits = model(rank_slice(x, rank, world))
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                 rank_slice(y, rank, world).flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, opt, STEPS, rank, world)
     stats = sharc.memory_stats(group)
     full = sharc.full_state_dict(model)
     cache = {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items()

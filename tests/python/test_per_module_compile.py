@@ -11,7 +11,7 @@ import gc
 import torch
 
 from dist_harness import run_ranks
-from models import global_batch, rank_slice
+from models import train_losses
 
 BLOCKS = 10
 
@@ -41,17 +41,7 @@ def _per_block_compile(rank, world):
             for block in model.blocks:
                 block.compile(backend=counting_sharc)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(2):
-            x, y = global_batch(step, 4)
-            logits = model(rank_slice(x, rank, world))
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                     rank_slice(y, rank, world).flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out[compiled] = losses
+        out[compiled] = train_losses(model, opt, 2, rank, world)
     return out, len(compiled_graphs)
 
 
