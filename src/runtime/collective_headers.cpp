@@ -73,13 +73,23 @@ std::vector<CollectiveHeader> headers_of_rows(const at::Tensor& rows) {
   return headers;
 }
 
-void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
+at::Tensor header_bit_columns(const CollectiveHeader& header, int64_t rows,
+                              const at::TensorOptions& options) {
   const auto bits = header.bits();
-  at::Tensor host = host_staging({CollectiveHeader::kBits}, at::kFloat, columns);
-  float* out = host.mutable_data_ptr<float>();
-  for (int i = 0; i < CollectiveHeader::kBits; ++i) out[i] = bits[i];
-  at::Tensor on_device = host.to(columns.device(), at::kFloat, /*non_blocking=*/!columns.is_cpu());
-  columns.copy_(on_device.to(columns.scalar_type()).expand_as(columns));
+  at::Tensor values = at::empty({rows, CollectiveHeader::kBits}, at::kFloat);
+  float* out = values.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < CollectiveHeader::kBits; ++i) *out++ = bits[i];
+  }
+  // Cast on the host, into pinned memory: one queued copy reaches the device.
+  const at::Tensor target = at::empty({0}, options);
+  at::Tensor host = host_staging(values.sizes(), options.dtype().toScalarType(), target);
+  host.copy_(values);
+  return host.to(options.device(), /*non_blocking=*/!target.is_cpu());
+}
+
+void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
+  columns.copy_(header_bit_columns(header, columns.size(0), columns.options()));
 }
 
 std::vector<int64_t> read_header_bits(const at::Tensor& summed) {

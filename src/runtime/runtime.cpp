@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -287,11 +288,17 @@ at::Tensor Runtime::input_for_gather(const GatherInFlight& gather, c10::ScalarTy
       return input;
     }
   }
+  // One multi-tensor copy (one kernel on a GPU, casting as it copies)
+  // rather than a copy per member.
   at::Tensor input = at::empty({numel}, first.options().dtype(dtype));
+  std::vector<at::Tensor> targets;
+  std::vector<at::Tensor> shards;
   for (size_t i = 0; i < gather.ids.size(); ++i) {
     const ShardedParam& p = param(gather.ids[i]);
-    input.narrow(0, gather.offsets[i], p.layout.shard_numel()).copy_(p.shard.detach());
+    targets.push_back(input.narrow(0, gather.offsets[i], p.layout.shard_numel()));
+    shards.push_back(p.shard.detach());
   }
+  at::_foreach_copy_(targets, shards);
   return input;
 }
 
@@ -512,6 +519,41 @@ void Runtime::write_rows(const ShardedParam& p, const at::Tensor& flat_grad,
   rows.narrow(0, full_rows + 1, rows.size(0) - full_rows - 1).zero_();
 }
 
+void Runtime::write_gradient_columns(at::Tensor input, const std::vector<int64_t>& ids,
+                                     const std::vector<at::Tensor>& flat_grads) {
+  // Gradients that fill their rows are viewed as rows and copied by one
+  // concatenation per run of them (one kernel on a GPU, where a copy per
+  // member cost a launch each); one with padding is written row by row,
+  // never through a padded copy (a large uneven gradient would double).
+  const int64_t world = comm_.world_size();
+  std::vector<at::Tensor> run;
+  int64_t run_start = 0;
+  int64_t column = 0;
+  auto copy_run = [&] {
+    if (run.empty()) return;
+    at::Tensor target = input.narrow(1, run_start, column - run_start);
+    if (run.size() == 1) {
+      target.copy_(run[0]);
+    } else {
+      at::cat_out(target, run, /*dim=*/1);
+    }
+    run.clear();
+  };
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const ShardedParam& p = param(ids[i]);
+    const int64_t width = p.layout.shard_numel();
+    if (p.layout.padded_numel() == p.layout.numel && flat_grads[i].numel() == p.layout.numel) {
+      if (run.empty()) run_start = column;
+      run.push_back(flat_grads[i].reshape({world, width}));
+    } else {
+      copy_run();
+      write_rows(p, flat_grads[i], input.narrow(1, column, width));
+    }
+    column += width;
+  }
+  copy_run();
+}
+
 at::Tensor Runtime::nonfinite_flag(const at::Tensor& grid) {
   // Exact and cheap: a sum is finite only if every element is. On the host a
   // plain sum settles it unless it overflowed, which the element-wise check
@@ -523,7 +565,7 @@ at::Tensor Runtime::nonfinite_flag(const at::Tensor& grid) {
     const bool any = !finite && !at::isfinite(grid).all().item<bool>();
     return at::full({1, 1}, any ? 1.0 : 0.0, grid.options());
   }
-  return grid.mul(0).sum().isnan().to(grid.scalar_type()).view({1, 1});
+  return grid.mul(0).sum().isnan().view({1, 1});
 }
 
 at::Tensor Runtime::reduce_scatter(int64_t id, const at::Tensor& full_grad) {
@@ -583,18 +625,18 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     const auto issue = agree_locked(kReduceScatter, ids, shape, options.device());
     at::Tensor input = at::empty({world, row}, options);
     write_header_bits(input.narrow(1, columns + 1, CollectiveHeader::kBits), issue.header);
-    int64_t column = 0;
+    std::vector<int64_t> sent;
+    std::vector<at::Tensor> flat_grads;
     for (size_t i = 0; i < ids.size(); ++i) {
       ShardedParam& p = param(ids[i]);
       if (held[i]) {
         hold_unreduced(p, full_grads[i]);
         continue;
       }
-      const int64_t width = p.layout.shard_numel();
-      write_rows(p, take_unreduced(p, full_grads[i], bucket_dtype),
-                 input.narrow(1, column, width));
-      column += width;
+      sent.push_back(ids[i]);
+      flat_grads.push_back(take_unreduced(p, full_grads[i], bucket_dtype));
     }
+    write_gradient_columns(input, sent, flat_grads);
     at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
     input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
     pending.input = input.view({-1});
@@ -729,18 +771,39 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
   // Each shard gradient gets storage of its own: compilers assume a kernel's
   // outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
-  int64_t offset = 0;
+  std::vector<at::Tensor> sent;
+  std::vector<int64_t> sent_widths;
+  bool same_dtype = true;
   for (size_t i = 0; i < pending.widths.size(); ++i) {
     const at::TensorOptions options = out.options().dtype(pending.dtypes[i]);
     if (pending.held[i]) {
       shards.push_back(at::zeros({pending.widths[i]}, options));
       continue;
     }
-    at::Tensor slice = out.narrow(0, offset, pending.widths[i]);
-    shards.push_back(slice.to(pending.dtypes[i], /*non_blocking=*/false, /*copy=*/true));
-    offset += pending.widths[i];
+    shards.push_back(at::empty({pending.widths[i]}, options));
+    sent.push_back(shards.back());
+    sent_widths.push_back(pending.widths[i]);
+    same_dtype = same_dtype && pending.dtypes[i] == out.scalar_type();
   }
+  copy_out_of_sums(out, sent, sent_widths, same_dtype);
   return shards;
+}
+
+// One split copy (one kernel on a GPU) where the shard gradients keep the
+// reduced dtype, else a cast per member.
+void Runtime::copy_out_of_sums(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
+                               const std::vector<int64_t>& widths, bool same_dtype) {
+  if (shards.empty()) return;
+  const int64_t total = std::accumulate(widths.begin(), widths.end(), int64_t{0});
+  if (same_dtype) {
+    at::split_with_sizes_copy_out(shards, sums.narrow(0, 0, total), widths, /*dim=*/0);
+    return;
+  }
+  int64_t offset = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    shards[i].copy_(sums.narrow(0, offset, widths[i]));
+    offset += widths[i];
+  }
 }
 
 at::Tensor Runtime::take_unreduced(ShardedParam& p, const at::Tensor& grad,

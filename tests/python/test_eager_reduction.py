@@ -121,3 +121,60 @@ def test_autograd_grad_matches_single_process():
     for rank, (by_grad, *_rest) in enumerate(run_ranks(_consumers, WORLD)):
         for got, want in zip(by_grad, ref):
             torch.testing.assert_close(got, shard_of(want, rank, WORLD), rtol=1e-5, atol=1e-7)
+
+
+class Mixed(nn.Module):
+    """Layers whose parameters alternate between filling their rows at
+    world size 2 (even sizes) and needing padding (odd sizes), so one bucket
+    holds runs of both kinds in every order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(3, 5),
+                                     nn.Linear(5, 4), nn.Linear(4, 2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _mixed_batch(rank, poison_rank=None):
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    if rank == poison_rank:
+        x[0, 0] = float("inf")
+    return x
+
+
+def _mixed_grads(rank, world, bucket_bytes, poison_rank=None):
+    import sharc
+
+    model = Mixed()
+    sharc.shard(model, config=sharc.ShardConfig(eager_reduce_bucket_bytes=bucket_bytes))
+    model(_mixed_batch(rank, poison_rank)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_one_bucket_of_whole_row_and_padded_gradients_matches_single_process():
+    # One bucket for the whole model (a bucket size no model here reaches)
+    # and a bucket per module: either way every shard gradient is the
+    # single-process gradient's shard, padding excluded.
+    from models import shard_of
+
+    model = Mixed()
+    torch.stack([model(_mixed_batch(r)) for r in range(WORLD)]).mean().backward()
+    ref = [p.grad for p in model.parameters()]
+    assert {p.numel() % WORLD for p in model.parameters()} == {0, 1}
+    for bucket_bytes in (1 << 30, 0):
+        for rank, grads in enumerate(run_ranks(_mixed_grads, WORLD, bucket_bytes)):
+            for got, want in zip(grads, ref):
+                torch.testing.assert_close(got, shard_of(want, rank, WORLD), rtol=1e-6, atol=1e-7)
+
+
+def test_a_non_finite_gradient_on_one_rank_poisons_every_rank():
+    # Rank 1 alone sees an inf: after the one bucketed reduction every rank's
+    # every shard gradient is NaN, so a loss scaler decides alike everywhere.
+    for rank, grads in enumerate(run_ranks(_mixed_grads, WORLD, 1 << 30, 1)):
+        for grad in grads:
+            assert torch.isnan(grad).all(), f"rank {rank}: {grad}"

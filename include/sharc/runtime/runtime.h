@@ -485,7 +485,15 @@ class Runtime : public torch::CustomClassHolder {
   /// x shard width, a column block of a reduce-scatter's input) as the
   /// ranks' shards, padding zeroed.
   void write_rows(const ShardedParam& p, const at::Tensor& flat_grad, at::Tensor rows) const;
-  /// 1 x 1 in `grid`'s dtype: 1 if any element of `grid` is not finite, else 0.
+  /// Writes the gradients of `ids` (flat, in the bucket's dtype) into the
+  /// leading columns of a reduce-scatter's `input`, one block each, in order.
+  void write_gradient_columns(at::Tensor input, const std::vector<int64_t>& ids,
+                              const std::vector<at::Tensor>& flat_grads);
+  /// The reduced `sums`' leading columns into `shards` (`widths` each, in
+  /// order); `same_dtype`: every shard is in `sums`' dtype.
+  static void copy_out_of_sums(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
+                               const std::vector<int64_t>& widths, bool same_dtype);
+  /// 1 x 1: nonzero (1 or true) if any element of `grid` is not finite.
   static at::Tensor nonfinite_flag(const at::Tensor& grid);
   /// A true-shape tensor over the buffer, recorded in `handed_out`.
   at::Tensor hand_out(ShardedParam& p);
