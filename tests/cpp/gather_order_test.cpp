@@ -270,6 +270,24 @@ TEST(GatherOrder, TheEndOfAPassGivesUpItsPrefetchAndThatPassIsFollowedNext) {
   EXPECT_EQ(g.log.started.size(), 1u);
 }
 
+TEST(GatherOrder, AGatherIsFoundInTheRecordedStepNearestWhereThePassIs) {
+  // Graphs X, Y, X again, Z; this pass skips the first X.
+  Graphs g;
+  const GatherBucket x{{1}, kDtype}, y{{2}, kDtype}, z{{3}, kDtype};
+  for (const GatherBucket& graph : {x, y, x, z}) {
+    g.gather(graph);
+    g.end(graph.ids);
+  }
+  g.order.end_pass();
+  g.gather(y);
+  g.end(y.ids);
+  EXPECT_EQ(g.log.started, Buckets{x});
+  g.gather(x);  // the X after Y, not the first one
+  g.end(x.ids);
+  EXPECT_EQ(g.log.started, (Buckets{x, z}));
+  EXPECT_TRUE(g.log.given_up.empty());
+}
+
 TEST(GatherOrder, AGraphRunTwiceInARowFollowsItself) {
   Graphs g;
   const GatherBucket only{{1}, kDtype};

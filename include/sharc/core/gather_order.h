@@ -49,11 +49,27 @@
 // of its last gather, never by a compile counter: a graph recompiled on one
 // rank only has the same key there as the graph it replaces elsewhere.
 //
-// Eager code and compiled graphs keep separate orders: see [Note: why eager
-// and compiled orders are not one sequence] in docs/design/eager-schedule.md.
 // This class holds the bookkeeping only; the runtime issues and frees what
-// it asks for (eager_prefetch.h, runtime_graph_prefetch.cpp). Not
+// it asks for: [Note: eager prefetch] in runtime/eager_prefetch.h, [Note:
+// cross-graph prefetch] in src/runtime/runtime_graph_prefetch.cpp. Not
 // thread-safe: its owners call it under their lock.
+//
+// [Note: eager code and compiled graphs keep orders of their own]
+// One class, one rule set, but separate instances: one per sharded root and
+// kind of eager pass, one per kind of compiled graph. A pass that mixes the
+// two (eager modules between compiled graphs) is two sequences, not one, so
+// an eager step never starts a graph's bucket nor a graph's point an eager
+// step, for two reasons:
+// - their passes end at different points: an eager forward pass ends when
+//   its root's outermost module exits (the only point every rank reaches
+//   alike after its last read; in a compiled model each module whose hooks
+//   run eagerly is such a pass), a compiled forward pass when a graph reads
+//   nothing the previous forward graph returned. A step in both would be
+//   given up at one pass's end while the other still counts on it, or stay
+//   gathered past the end of the pass that started it;
+// - a graph's first bucket is held to the memory budget its schedule
+//   carries at its marked point; an eager read carries no budget, so an
+//   eager step could not start it within one.
 
 #include <cstdint>
 #include <functional>
