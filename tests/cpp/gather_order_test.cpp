@@ -176,6 +176,14 @@ struct Graphs {
     gather(kLastOfB);
     end(kLastOfB.ids);
   }
+  // A recorded forward pass, then the next one up to A's end, which starts
+  // B's first bucket ahead.
+  void next_pass_until_a_ends() {
+    forward_pass();
+    order.end_pass();
+    gather(kLastOfA);
+    end(kLastOfA.ids);
+  }
 };
 
 TEST(GatherOrder, TheFirstGraphPassRecordsTheSecondPrefetchesOneBucketAhead) {
@@ -211,10 +219,7 @@ TEST(GatherOrder, ABucketThatDoesNotFitIsTriedAgainAtTheGraphsNextPoint) {
 
 TEST(GatherOrder, APrefetchNotTakenIsGivenUpWhenTheNextGraphEnds) {
   Graphs g;
-  g.forward_pass();
-  g.order.end_pass();
-  g.gather(kLastOfA);
-  g.end(kLastOfA.ids);
+  g.next_pass_until_a_ends();
   // Another path: graph C follows A this time; it may still read B's
   // bucket, so it is kept until C ends.
   g.gather(kOnlyOfC);
@@ -230,10 +235,7 @@ TEST(GatherOrder, APrefetchNotTakenIsGivenUpWhenTheNextGraphEnds) {
 
 TEST(GatherOrder, APrefetchIsGivenUpBeforeAGatherOfItsParametersInAnotherDtype) {
   Graphs g;
-  g.forward_pass();
-  g.order.end_pass();
-  g.gather(kLastOfA);
-  g.end(kLastOfA.ids);
+  g.next_pass_until_a_ends();
   g.gather(GatherBucket{{4, 5}, 15});
   EXPECT_EQ(g.log.given_up, kFirstOfB.ids);
   EXPECT_TRUE(g.order.ahead().empty());
@@ -241,10 +243,7 @@ TEST(GatherOrder, APrefetchIsGivenUpBeforeAGatherOfItsParametersInAnotherDtype) 
 
 TEST(GatherOrder, GivingUpWhatIsAheadForgetsIt) {
   Graphs g;
-  g.forward_pass();
-  g.order.end_pass();
-  g.gather(kLastOfA);
-  g.end(kLastOfA.ids);
+  g.next_pass_until_a_ends();
   EXPECT_EQ(g.order.ahead(), kFirstOfB.ids);
   EXPECT_EQ(g.order.give_up_ahead(), kFirstOfB.ids);  // the other kind of pass began
   EXPECT_TRUE(g.order.ahead().empty());
