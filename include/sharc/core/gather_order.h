@@ -37,9 +37,9 @@
 //   gathered past it. The pass's own order then becomes the one the next
 //   pass follows, unless it gathered nothing (a backward without sharded
 //   inputs keeps the old one).
-// The runtime also gives up what is ahead when the other kind of pass
-// begins (give_up_ahead) or a shard under it changed (an optimizer step
-// between two passes): it would serve old values.
+// The compiled graphs' runtime also gives up what is ahead when the other
+// kind of graph begins (give_up_ahead) or a shard under it changed (an
+// optimizer step between two passes): it would serve old values.
 //
 // Every rank must issue the same collectives in the same order, so every
 // decision here follows from gathers and points all ranks reach alike:
@@ -62,11 +62,11 @@
 // step, for two reasons:
 // - their passes end at different points: an eager forward pass ends when
 //   its root's outermost module exits (the only point every rank reaches
-//   alike after its last read; in a compiled model each module whose hooks
-//   run eagerly is such a pass), a compiled forward pass when a graph reads
-//   nothing the previous forward graph returned. A step in both would be
-//   given up at one pass's end while the other still counts on it, or stay
-//   gathered past the end of the pass that started it;
+//   alike after its last read; where the root's forward is compiled, each
+//   module whose hooks run eagerly ends one), a compiled forward pass when
+//   a graph reads nothing the previous forward graph returned. A step in
+//   both would be given up at one pass's end while the other still counts
+//   on it, or stay gathered past the end of the pass that started it;
 // - a graph's first bucket is held to the memory budget its schedule
 //   carries at its marked point; an eager read carries no budget, so an
 //   eager step could not start it within one.
