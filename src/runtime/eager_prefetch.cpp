@@ -1,4 +1,4 @@
-// Eager prefetch: see eager_prefetch.h and [Note: eager prefetch].
+// Eager prefetch: see [Note: eager prefetch] in eager_prefetch.h.
 
 #include "sharc/runtime/eager_prefetch.h"
 
@@ -31,7 +31,7 @@ void EagerPrefetch::exit_module() {
   const bool root_open = std::any_of(open_.begin(), open_.end(),
                                      [root](const auto& m) { return m.first == root; });
   auto it = roots_.find(root);
-  if (!root_open && it != roots_.end()) finish_locked(it->second.forward);
+  if (!root_open && it != roots_.end()) end_pass_locked(it->second.forward);
 }
 
 void EagerPrefetch::on_forward_gather(int64_t id) {
@@ -40,7 +40,7 @@ void EagerPrefetch::on_forward_gather(int64_t id) {
   const auto [root, module] = open_.back();
   auto it = roots_.find(root);
   if (it == roots_.end() || !it->second.enabled) return;
-  start_locked(it->second.forward.on_gather(module, id));
+  read_locked(it->second.forward, module, id);
 }
 
 void EagerPrefetch::on_backward_gather(int64_t root, int64_t id) {
@@ -50,23 +50,29 @@ void EagerPrefetch::on_backward_gather(int64_t root, int64_t id) {
   // Grouped by the parameter's forward group: backward asks for one
   // module's parameters together, in its own order.
   Root& r = it->second;
-  start_locked(r.backward.on_gather(r.forward.group_of(id), id));
+  read_locked(r.backward, r.forward.step_of(id), id);
 }
 
 void EagerPrefetch::end_backward(int64_t root) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = roots_.find(root);
-  if (it != roots_.end()) finish_locked(it->second.backward);
+  if (it != roots_.end()) end_pass_locked(it->second.backward);
 }
 
-void EagerPrefetch::start_locked(const std::vector<std::vector<int64_t>>& groups) {
-  for (const std::vector<int64_t>& ids : groups) runtime_.start_gather(ids);
+void EagerPrefetch::read_locked(GatherOrder& order, int64_t step, int64_t id) {
+  apply_locked(order.gather(step, GatherBucket{{id}}));
+  apply_locked(order.reached({id}));
 }
 
-void EagerPrefetch::finish_locked(PassRecording& pass) {
+void EagerPrefetch::apply_locked(const GatherOrder::Decision& decision) {
+  if (!decision.give_up.empty()) runtime_.drop_unheld(decision.give_up);
+  for (const GatherBucket& bucket : decision.start) runtime_.start_gather(bucket.ids);
+}
+
+void EagerPrefetch::end_pass_locked(GatherOrder& order) {
   // What the pass gathered ahead and nobody took is freed.
-  const std::vector<int64_t> touched = pass.finish();
-  if (!touched.empty()) runtime_.drop_unheld(touched);
+  const std::vector<int64_t> left = order.end_pass();
+  if (!left.empty()) runtime_.drop_unheld(left);
 }
 
 }  // namespace sharc

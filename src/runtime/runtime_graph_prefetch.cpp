@@ -1,8 +1,29 @@
-// Cross-graph prefetch: the Runtime's side of [Note: cross-graph prefetch]
-// (sharc/core/graph_sequence.h). The compiled graphs' start_gather and
-// prefetch_next_graph ops call these; GraphSequence keeps the order, this
-// file issues and gives up the collectives it asks for. Also the one
+// Cross-graph prefetch: the Runtime's side. The compiled graphs'
+// start_gather and prefetch_next_graph ops call these; a GatherOrder per
+// kind of graph (sharc/core/gather_order.h) keeps the order, this file
+// issues and gives up the collectives it asks for. Also the one
 // end-of-backward callback, for compiled graphs and the eager path alike.
+//
+// [Note: cross-graph prefetch]
+// When graph breaks split a model, each compiled graph gathers its own
+// parameters, and the first gather of the next graph cannot start before
+// that graph does: the eager code between the two (and the tail of the
+// first graph) runs with nothing in flight. Each compiled gather is
+// therefore a step of its own in the order of its kind of graph (forward,
+// backward), and each graph reaches a point after its last gather (the
+// prefetch point its schedule marks: see mark_graph_prefetch.cpp) where the
+// step recorded after that gather last time, the next graph's first
+// bucket, starts within the graph's memory budget ([Note: gather order]).
+//
+// Orders are followed within a pass only: a backward pass ends at the
+// autograd engine's end-of-backward callback, a forward pass where a
+// compiled forward reads nothing the previous forward graph returned
+// (begin_forward_graph), so nothing gathered ahead waits for the next call.
+// Forward and backward keep separate orders: the forward's last graph is
+// followed by the loss and backward, the backward's last by an optimizer
+// step, and a gather started across either would be wasted or serve values
+// the step has changed since. So a graph of the other kind beginning gives
+// up what is ahead, and so does a changed shard under it.
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -11,14 +32,25 @@
 
 namespace sharc {
 
+GatherOrder& Runtime::graph_order(int64_t graph_kind) {
+  return graph_kind == kBackwardGraph ? backward_graphs_ : forward_graphs_;
+}
+
+GatherOrder& Runtime::other_graph_order(int64_t graph_kind) {
+  return graph_kind == kBackwardGraph ? forward_graphs_ : backward_graphs_;
+}
+
 void Runtime::start_graph_gather(int64_t graph_kind, const std::vector<int64_t>& ids,
                                  c10::ScalarType dtype) {
   std::lock_guard<std::mutex> lock(mutex_);
   give_up_changed_ahead_locked();
-  const GatherBucket bucket{ids, static_cast<int64_t>(dtype)};
-  if (std::optional<GatherBucket> stale = graphs_.graph_gathers(graph_kind, bucket)) {
-    drop_unheld_locked(stale->ids);
-  }
+  drop_unheld_locked(other_graph_order(graph_kind).give_up_ahead());
+  // A graph's gather starts nothing beyond itself: its schedule's budget
+  // counted that bucket only.
+  const GatherOrder::Decision decision = graph_order(graph_kind).gather(
+      graph_gathers_++, GatherBucket{ids, static_cast<int64_t>(dtype)},
+      [](const GatherBucket&) { return false; });
+  drop_unheld_locked(decision.give_up);
   if (graph_kind == kBackwardGraph) queue_end_of_backward_locked();
   start_gathers_locked(ids, dtype);
 }
@@ -27,23 +59,22 @@ void Runtime::prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>
                                   int64_t budget_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   give_up_changed_ahead_locked();
-  if (std::optional<GatherBucket> stale = graphs_.end_graph({graph_kind, key})) {
-    drop_unheld_locked(stale->ids);
-  }
-  const std::optional<GatherBucket> next = graphs_.follower_to_start();
-  if (!next) return;
-  const auto dtype = static_cast<c10::ScalarType>(next->dtype);
-  const std::optional<int64_t> bytes = bytes_to_start_ahead_locked(next->ids, dtype);
   // The graph's budget holds for what it gathers ahead too; at its later
   // prefetch point, with more released, it may fit.
-  if (!bytes || (budget_bytes >= 0 &&
-                 accounting_.stats().gathered_bytes + *bytes > budget_bytes)) {
-    return;
+  auto fits = [&](const GatherBucket& next) {
+    const std::optional<int64_t> bytes =
+        bytes_to_start_ahead_locked(next.ids, static_cast<c10::ScalarType>(next.dtype));
+    return bytes && (budget_bytes < 0 ||
+                     accounting_.stats().gathered_bytes + *bytes <= budget_bytes);
+  };
+  const GatherOrder::Decision decision = graph_order(graph_kind).reached(key, fits);
+  drop_unheld_locked(decision.give_up);
+  for (const GatherBucket& next : decision.start) {
+    const auto dtype = static_cast<c10::ScalarType>(next.dtype);
+    if (bytes_to_start_ahead_locked(next.ids, dtype).value_or(0) == 0) continue;
+    accounting_.on_graph_prefetch();
+    start_gathers_locked(next.ids, dtype);
   }
-  graphs_.started_ahead(*next);
-  if (*bytes == 0) return;
-  accounting_.on_graph_prefetch();
-  start_gathers_locked(next->ids, dtype);
 }
 
 // What gathering `ids` in `dtype` now would allocate; none if one of them is
@@ -63,21 +94,20 @@ std::optional<int64_t> Runtime::bytes_to_start_ahead_locked(const std::vector<in
   return bytes;
 }
 
-// A bucket gathered ahead whose shards changed since (an optimizer step came
+// What was gathered ahead whose shards changed since (an optimizer step came
 // between two passes) would serve old values: it is given up, and the graph
 // that wants those parameters gathers them anew.
 void Runtime::give_up_changed_ahead_locked() {
-  const std::optional<GatherBucket> ahead = graphs_.ahead();
-  if (!ahead) return;
-  for (int64_t id : ahead->ids) {
-    const ShardedParam& p = param(id);
-    const ParamState s = p.state.state();
-    const bool ours = s == ParamState::Gathering || (s == ParamState::Gathered &&
-                                                     p.state.holds() == 0);
-    if (ours && p.shard._version() != p.gathered_version) {
-      graphs_.give_up_ahead();
-      drop_unheld_locked(ahead->ids);
-      return;
+  for (GatherOrder* order : {&forward_graphs_, &backward_graphs_}) {
+    for (int64_t id : order->ahead()) {
+      const ShardedParam& p = param(id);
+      const ParamState s = p.state.state();
+      const bool ours = s == ParamState::Gathering || (s == ParamState::Gathered &&
+                                                       p.state.holds() == 0);
+      if (ours && p.shard._version() != p.gathered_version) {
+        drop_unheld_locked(order->give_up_ahead());
+        break;
+      }
     }
   }
 }
@@ -135,8 +165,11 @@ void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
       if (output.lock().get() == input.unsafeGetTensorImpl()) return;  // the pass goes on
     }
   }
-  if (std::optional<GatherBucket> stale = graphs_.end_pass(kForwardGraph)) {
-    drop_unheld_locked(stale->ids);
+  drop_unheld_locked(forward_graphs_.end_pass());
+  // A forward outside any backward: a backward whose end-of-backward call
+  // never came (run by hand, or raised) is over too.
+  if (torch::autograd::get_current_graph_task_id() == -1) {
+    drop_unheld_locked(backward_graphs_.end_pass());
   }
 }
 
@@ -155,9 +188,7 @@ void Runtime::end_backward_pass() {
     std::lock_guard<std::mutex> lock(mutex_);
     end_of_backward_queued_ = false;
     ++backward_ends_;
-    if (std::optional<GatherBucket> stale = graphs_.end_pass(kBackwardGraph)) {
-      drop_unheld_locked(stale->ids);
-    }
+    drop_unheld_locked(backward_graphs_.end_pass());
   }
   eager_scope_.end_backward();  // gathers and reduces: outside the lock
 }

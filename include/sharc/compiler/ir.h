@@ -45,7 +45,7 @@
 // instead. Like a wait_reduce it names its reduction only.
 //
 // A prefetch_next marks where the next compiled graph's first gather may
-// start (cross-graph prefetch, sharc/core/graph_sequence.h). Its parameters
+// start (cross-graph prefetch, sharc/core/gather_order.h). Its parameters
 // name this graph (they are its last gather's), not uses; its `bytes` is the
 // memory budget the runtime holds that gather to (-1: none); `after` orders
 // it after those values.

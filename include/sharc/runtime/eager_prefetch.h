@@ -1,7 +1,20 @@
 #pragma once
 // Eager prefetch, the runtime's side: which groups of parameters to gather
 // ahead, for each sharded root, from the order its last pass of each kind
-// gathered them in (see [Note: eager prefetch] in core/pass_recording.h).
+// gathered them in (see [Note: gather order] in core/gather_order.h).
+//
+// [Note: eager prefetch]
+// Without a compiler, a parameter is gathered when code reads it: one
+// blocking collective per parameter. Each root keeps a GatherOrder per kind
+// of pass. In forward a step is the parameters first gathered inside one
+// module's forward; in backward the parameters of one forward step, in the
+// order backward asks for them. Every read is both of the order's events:
+// a gather the code asks for (which starts the rest of its module's step,
+// with it, as one bucketed collective) and the point after it (which
+// starts the next module's step). So one module is gathered ahead, and a
+// module costs one collective instead of one per parameter. The forward
+// pass ends when the root's outermost module exits, the backward at the
+// end of backward; what was gathered ahead and nobody took is freed there.
 //
 // Python reports events only: a module's forward begins or ends, backward
 // gathers a parameter again, backward ended. The forward's own reads reach
@@ -13,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "sharc/core/pass_recording.h"
+#include "sharc/core/gather_order.h"
 
 namespace sharc {
 
@@ -38,11 +51,13 @@ class EagerPrefetch {
  private:
   struct Root {
     bool enabled = true;
-    PassRecording forward;
-    PassRecording backward;
+    GatherOrder forward;
+    GatherOrder backward;
   };
-  void start_locked(const std::vector<std::vector<int64_t>>& groups);
-  void finish_locked(PassRecording& pass);
+  /// `id` is read in step `step` of `order`'s pass: both of its events.
+  void read_locked(GatherOrder& order, int64_t step, int64_t id);
+  void apply_locked(const GatherOrder::Decision& decision);
+  void end_pass_locked(GatherOrder& order);
 
   Runtime& runtime_;
   std::mutex mutex_;

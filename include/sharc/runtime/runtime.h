@@ -20,7 +20,7 @@
 
 #include "sharc/core/accounting.h"
 #include "sharc/core/collective_agreement.h"
-#include "sharc/core/graph_sequence.h"
+#include "sharc/core/gather_order.h"
 #include "sharc/runtime/collective_probe.h"
 #include "sharc/runtime/communicator.h"
 #include "sharc/runtime/eager_prefetch.h"
@@ -204,12 +204,13 @@ class Runtime : public torch::CustomClassHolder {
   /// Others are gathered or in flight already and are skipped.
   void start_gather(const std::vector<int64_t>& ids,
                     std::optional<c10::ScalarType> dtype = std::nullopt);
-  /// A compiled graph's start_gather: as start_gather(), and noted in the
-  /// order of compiled graphs (see [Note: cross-graph prefetch] in
-  /// sharc/core/graph_sequence.h): the first gather after a graph of the
-  /// same kind ended is recorded as that graph's follower, and a bucket
-  /// gathered ahead that this gather shows will not be taken is given up
-  /// (freed, waiting for its collective first) before it starts.
+  /// A compiled graph's start_gather: as start_gather(), and a step of its
+  /// own in the order of compiled graphs of its kind (see [Note: gather
+  /// order] in sharc/core/gather_order.h and [Note: cross-graph prefetch]
+  /// in runtime_graph_prefetch.cpp): it takes what was gathered ahead for
+  /// it, and a bucket gathered ahead that this gather shows will not be
+  /// taken (the other kind of graph, another dtype) is given up (freed,
+  /// waiting for its collective first) before it starts.
   /// `graph_kind`: kForwardGraph (or inference) or kBackwardGraph. A
   /// backward graph's gather also queues, once per backward pass, a call
   /// at the pass's end that gives up what was gathered ahead and not taken.
@@ -220,6 +221,7 @@ class Runtime : public torch::CustomClassHolder {
   /// gather recorded after this graph's end last time, if the bytes then
   /// gathered stay within `budget_bytes` (the graph's memory budget);
   /// gives up a bucket gathered ahead for a graph that did not come.
+  /// `key` (the parameters of the graph's last gather) finds the point.
   /// Non-blocking; issues at most one collective per dtype.
   void prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>& key,
                            int64_t budget_bytes);
@@ -467,7 +469,11 @@ class Runtime : public torch::CustomClassHolder {
   /// is held or in flight in another dtype.
   std::optional<int64_t> bytes_to_start_ahead_locked(const std::vector<int64_t>& ids,
                                                      c10::ScalarType dtype) const;
-  /// Gives up the bucket gathered ahead if a shard of it changed since.
+  /// The order of compiled graphs of `graph_kind`, and of the other kind.
+  GatherOrder& graph_order(int64_t graph_kind);
+  GatherOrder& other_graph_order(int64_t graph_kind);
+  /// Gives up what each graph order gathered ahead if a shard of it
+  /// changed since.
   void give_up_changed_ahead_locked();
   /// Queues end_backward_pass() with the autograd engine, once a pass.
   void queue_end_of_backward_locked();
@@ -540,7 +546,10 @@ class Runtime : public torch::CustomClassHolder {
   std::optional<bool> settle_on_arrival_;  ///< unset: on a device only
   /// Set once the ranks diverged: the error every later collective raises.
   std::string diverged_;
-  GraphSequence graphs_;  ///< the order of compiled graphs (cross-graph prefetch)
+  /// The order of compiled graphs of each kind (cross-graph prefetch).
+  GatherOrder forward_graphs_;
+  GatherOrder backward_graphs_;
+  int64_t graph_gathers_ = 0;  ///< names each compiled gather a step of its own
   EagerReduction eager_reduction_{*this};
   EagerPrefetch eager_prefetch_{*this};
   EagerScope eager_scope_{*this};

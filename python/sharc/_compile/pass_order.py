@@ -2,7 +2,7 @@
 
 The runtime starts the next compiled graph's first gather at the end of the
 graph before it, in the order it recorded (see [Note: cross-graph prefetch]
-in include/sharc/core/graph_sequence.h). That order must stay within one
+in src/runtime/runtime_graph_prefetch.cpp). That order must stay within one
 forward pass: between two forward calls with no backward in between (an
 evaluation loop, a forward dropped without backward) a bucket gathered ahead
 would stay gathered in the user's hands. A compiled forward graph continues

@@ -7,7 +7,7 @@ namespace {
 
 // Marks the points where the runtime may start the next compiled graph's
 // first gather (see [Note: cross-graph prefetch] in
-// sharc/core/graph_sequence.h): right after this graph's last wait, when it
+// src/runtime/runtime_graph_prefetch.cpp): right after this graph's last wait, when it
 // will gather nothing more and its tail computation can hide the next
 // graph's collective, and right after its last release, when it holds the
 // least (the runtime starts the gather at the first point where it fits the
