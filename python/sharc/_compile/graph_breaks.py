@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from sharc._compile.collective_costs import known_collective_costs
 from sharc.config import CompileConfig
 
 
@@ -41,9 +42,9 @@ class GraphCounter:
     """Compiled forward graphs per forward pass of one group, until it has
     warned or watched _PASSES_WATCHED passes."""
 
-    def __init__(self, config: CompileConfig, runtime):
+    def __init__(self, config: CompileConfig, group_name: str):
         self.config = config
-        self.runtime = runtime
+        self.group_name = group_name
         self.active = config.warn_graphs is not None
         self.passes = 0
         self.graphs = 0  # in the current pass
@@ -63,28 +64,29 @@ class GraphCounter:
                 return
         if self.graphs >= self.config.warn_graphs:
             self.active = False
-            warnings.warn(_message(self.graphs, self.config, self.runtime), ManyGraphsWarning,
+            warnings.warn(_message(self.graphs, self.config, self.group_name), ManyGraphsWarning,
                           stacklevel=3)
 
 
 _COUNTERS: dict[str, GraphCounter] = {}
 
 
-def counter_for(group_name: str, config: CompileConfig, runtime) -> GraphCounter:
+def counter_for(group_name: str, config: CompileConfig) -> GraphCounter:
     """The group's counter (the first compile's config sets the threshold)."""
     if group_name not in _COUNTERS:
-        _COUNTERS[group_name] = GraphCounter(config, runtime)
+        _COUNTERS[group_name] = GraphCounter(config, group_name)
     return _COUNTERS[group_name]
 
 
-def _message(graphs: int, config: CompileConfig, runtime) -> str:
+def _message(graphs: int, config: CompileConfig, group_name: str) -> str:
     head = (f"sharc: graph breaks split this model's forward pass into at least {graphs} "
             f"compiled graphs that read sharded parameters (its backward into as many). Each "
             f"graph gathers and reduces on its own: "
             f"per step at least one all-gather in forward, one in backward (unless its "
             f"parameters stay gathered) and one reduce-scatter")
-    if config.profile:  # measured at the group's first compile (cached: no collective here)
-        ag_us, _, rs_us, _ = runtime.collective_costs()
+    costs = known_collective_costs(group_name)  # agreed at the group's first compile
+    if config.profile and costs is not None:
+        ag_us, _, rs_us, _ = costs
         floor_ms = graphs * (ag_us + rs_us) / 1e3  # the backward gather may be kept away
         head += (f", measured at {ag_us:.0f} us latency per all-gather and {rs_us:.0f} us per "
                  f"reduce-scatter: at least {floor_ms:.1f} ms per step in collective latency "

@@ -42,7 +42,7 @@ def in_pass_order(compiled, groups: list[str], config: CompileConfig):
     if not groups:
         return compiled
     group = groups[0]
-    counter = counter_for(group, config, Runtime.for_group(group))
+    counter = counter_for(group, config)
 
     def run(*args):
         runtime = Runtime.for_group(group)

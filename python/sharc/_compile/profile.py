@@ -21,11 +21,14 @@ takes longer than measured; the costs only order the scheduler's choices
 of how early a gather starts, never which collectives run.
 
 Each distinct call (operator, and its inputs' sizes, strides, dtypes and
-devices, and its other arguments) is measured once per process: the
-identical blocks of a model, the blocks of a model compiled one by one,
-and a recompile all reuse what was measured (`CostCache`). A cost of an
-operator on this process's device is a fact of the process, so the cache
-belongs to it, like Dynamo's and Inductor's own caches.
+devices, and its other arguments) is measured once: the identical blocks
+of a model, the blocks of a model compiled one by one, and a recompile all
+reuse what was measured (`CostCache`), and so does a later process of the
+same job on this host, from the file the process's cache keeps beside
+Inductor's cache (cost_store.py): it then schedules as this one did and
+finds its graphs in Inductor's FX graph cache. One file per rank: each
+rank schedules from its own costs, and a rank reading another's would
+schedule differently from its own earlier run.
 
 Not measured (no cost): sharc's own ops and collectives (their costs come
 from the group's measured collective costs), nodes whose sizes have no
@@ -41,8 +44,11 @@ import time
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
+
+from sharc._compile import cost_store
 
 _REPEATS = 3
 _SKIPPED_NAMESPACES = ("sharc", "_c10d_functional", "c10d", "c10d_functional")
@@ -50,37 +56,78 @@ _BUDGET_S = 10.0  # the most a graph's profiling may take; the rest stays unmeas
 
 
 class CostCache:
-    """Microseconds per call signature (see _signature), measured in this
-    process; -1 for a call that cannot run on stand-ins. Bounded: the
-    least recently used signatures go first."""
+    """Microseconds per call signature (see _signature); -1 for a call
+    that cannot run on stand-ins. Bounded: the least recently used
+    signatures go first. `persist`: also read from and written to this
+    rank's cost file (cost_store.py); a test's cache keeps to memory."""
 
-    def __init__(self, capacity: int = 8192):
+    def __init__(self, capacity: int = 8192, persist: bool = False):
         self.capacity = capacity
-        self._costs: OrderedDict[tuple, float] = OrderedDict()
-        self.hits = self.measured = 0
+        self.persist = persist
+        self._costs: OrderedDict[str, float] = OrderedDict()
+        self._stored: dict[str, float] = {}  # the file's entries, read once per file
+        self._stored_from: str | None = None  # which file they were read from
+        self._unsaved: dict[str, float] = {}
+        self.hits = self.measured = self.loaded = 0
 
-    def get(self, key) -> float | None:
-        if key is None or key not in self._costs:
+    def get(self, key: str | None) -> float | None:
+        if key is None:
             return None
+        if key not in self._costs:
+            us = self._from_file(key)
+            if us is None:
+                return None
+            self._remember(key, us)
+            self.loaded += 1
         self._costs.move_to_end(key)
         self.hits += 1
         return self._costs[key]
 
-    def put(self, key, us: float) -> None:
+    def put(self, key: str | None, us: float) -> None:
         self.measured += 1
         if key is None:
             return
+        self._remember(key, us)
+        if self.persist:
+            self._unsaved[key] = us
+
+    def save(self) -> None:
+        """Adds what was measured since the last save to the cost file."""
+        if not self._unsaved:
+            return
+        entries = {**(cost_store.load(*_compute_file()) or {}), **self._unsaved}
+        newest = dict(list(entries.items())[-self.capacity:])
+        cost_store.store(*_compute_file(), newest)
+        self._unsaved.clear()
+
+    def _remember(self, key: str, us: float) -> None:
         self._costs[key] = us
         if len(self._costs) > self.capacity:
             self._costs.popitem(last=False)
 
+    def _from_file(self, key: str) -> float | None:
+        if not self.persist:
+            return None
+        where = cost_store.directory()
+        if where != self._stored_from:  # the first look, or Inductor's cache moved
+            self._stored, self._stored_from = cost_store.load(*_compute_file()) or {}, where
+        us = self._stored.get(key)
+        return us if isinstance(us, float | int) and not isinstance(us, bool) else None
 
-COSTS = CostCache()
+
+def _compute_file() -> tuple[str, dict]:
+    """This rank's compute-cost file: name and facts."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"compute-rank{rank}", {"rank": rank}
+
+
+COSTS = CostCache(persist=True)
 
 
 def profile_compute(graph: fx.Graph, cache: CostCache = COSTS) -> dict[fx.Node, float]:
     """Microseconds per call_function node of `graph`, as measured here
-    (or earlier in this process, for a call of the same signature)."""
+    (or earlier, for a call of the same signature: in this process, or in
+    an earlier one whose costs `cache` keeps on disk)."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and _measurable(n)]
     devices = _devices(nodes)
     costs = {}
@@ -95,13 +142,15 @@ def profile_compute(graph: fx.Graph, cache: CostCache = COSTS) -> dict[fx.Node, 
                 cache.put(key, us)
             if us is not None and us >= 0:
                 costs[n] = us
+    cache.save()
     return costs
 
 
-def _signature(node: fx.Node):
+def _signature(node: fx.Node) -> str | None:
     """What a call's cost depends on: the operator, each tensor input's
     sizes, strides, dtype and device (symbolic sizes at their hints), and
-    its other arguments; None when an argument cannot be part of a key."""
+    its other arguments, written out (a key a later process can find);
+    None when an argument cannot be part of a key."""
     def describe(arg):
         if not isinstance(arg, fx.Node):
             return arg
@@ -110,7 +159,7 @@ def _signature(node: fx.Node):
         leaves, spec = tree_flatten(tree_map(describe, (node.args, node.kwargs)))
         key = (str(node.target), tuple(leaves), str(spec))
         hash(key)
-        return key
+        return repr(key)
     except (TypeError, _Symbolic):
         return None
 

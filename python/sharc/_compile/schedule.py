@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from sharc._compile.collective_costs import agreed_collective_costs
 from sharc._compile.fx_to_ir import lower
 from sharc._compile.ir_to_fx import rebuild
 from sharc._compile.ops import BACKWARD_GRAPH, FORWARD_GRAPH
@@ -42,7 +43,7 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
         # the interpreter this thread holds while it waits).
         with unset_fake_temporarily(), no_python_dispatcher():
             compute = profile_compute(gm.graph)
-            collective = list(runtime.collective_costs())
+        collective = agreed_collective_costs(group_name, runtime, _device(lowered))
     lowered = lower(gm.graph, compute, dict(runtime.persistent_params()))
     schedule = torch.classes.sharc.Scheduler.run(
         lowered.text, config.pipeline_text(),
@@ -90,16 +91,36 @@ def default_budget(lowered, group_name: str, config: CompileConfig) -> int:
     its buckets and prefetches filled it). The scheduler raises either to
     what the graph needs at least. Every rank must get the same budget, or
     they keep different parameters and issue different collectives: free
-    memory is agreed over the group (its least), once."""
-    slot = next(iter(lowered.slots.values()))
-    device = slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
+    memory is agreed over the group (its least), once, and rounded
+    (_round_budget) so that a rerun gets the same budget."""
+    device = _device(lowered)
     rule = config.memory_budget_rule
     if rule == "auto":
         rule = "free_memory" if device.type == "cuda" else "largest_param"
     if rule == "largest_param":
         return 4 * torch.classes.sharc.Scheduler.largest_gathered_param_bytes(
             lowered.text, config.pipeline_text())
-    return _agreed_free_bytes(group_name, device) // 8
+    return _round_budget(_agreed_free_bytes(group_name, device) // 8)
+
+
+def _round_budget(budget: int) -> int:
+    """`budget` rounded down to a power of two. The budget is baked into the
+    compiled graphs (prefetch_next_graph's argument) and shapes the
+    schedule, so it is part of their keys in Inductor's FX graph cache: read
+    exactly, free memory differed by a few percent between two runs of the
+    same job (2785512960 and 2884214784 bytes) and the rerun compiled
+    everything anew. A power of two changes only when free memory crosses
+    one: a change of a few percent moves it in about one run in twenty (a
+    finer grid, in more), at the price of at most half the room; an eighth
+    of free memory is a rule of thumb, not a measured need, and the
+    scheduler still raises the budget to what a graph needs."""
+    return 1 << (budget.bit_length() - 1) if budget > 0 else 0
+
+
+def _device(lowered) -> torch.device:
+    """The device of the graph's sharded parameters (the first one's)."""
+    slot = next(iter(lowered.slots.values()))
+    return slot.shard.meta["val"].device if slot.shard is not None else torch.device("cpu")
 
 
 @functools.cache
