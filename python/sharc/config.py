@@ -159,8 +159,10 @@ class CompileConfig:
     memory_budget_rule: str = "free_memory"
     """How the default budget (memory_budget_bytes None) is chosen:
     "free_memory", an eighth of the memory free on the emptiest rank at the
-    group's first compile (the device's on CUDA, the host's elsewhere), so
-    that with room parameters stay gathered from forward to backward;
+    group's first compile (the device's on CUDA, the host's elsewhere),
+    rounded down to a power of two (so a rerun gets the same budget and
+    finds its graphs in Inductor's cache), so that with room parameters
+    stay gathered from forward to backward;
     "largest_param", four times the largest parameter the graph reads (in
     the dtype it is gathered in), the leanest default; "auto", the first on
     a CUDA device and the second elsewhere (the defaults before the host's
@@ -185,7 +187,9 @@ class CompileConfig:
     (parameters kept gathered from forward to backward) and the gather
     bucket sizes and the prefetch distance. False: no measurement, nothing
     kept, 64 KiB gather and 4 MiB reduction buckets, gathers one bucket
-    ahead."""
+    ahead. What is measured is kept in a `sharc` folder of Inductor's cache
+    directory, and a later process schedules from it rather than measuring
+    anew (docs/design/compiled-schedule.md, "Kept across processes")."""
 
     reduce_bucket_bytes: int | None = None
     """Gradients are reduce-scattered together up to this many bytes. None:

@@ -20,7 +20,9 @@ graph sharc scheduled identically: same group, same parameters, same
 buckets and order. sharc's own work on a graph (the passes, and what they
 tell the runtime: kept parameters, the group's pass order) runs before the
 lookup, hit or miss. A rescheduled graph (other measured costs, another
-budget) is another key. AOTAutograd's cache would be looked up on Dynamo's
+budget) is another key: the measured costs are kept beside Inductor's
+cache (cost_store.py) and the free-memory budget is rounded, so that a
+rerun of the job schedules identically and hits. AOTAutograd's cache would be looked up on Dynamo's
 graph, before the joint pass and the scheduler: a hit there skips both, so
 it stays off.
 """
