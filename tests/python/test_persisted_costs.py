@@ -3,7 +3,8 @@ process of the same job, with sharc's defaults (profiling on, the budget
 from free memory), schedules as the first did, finds every graph in
 Inductor's FX graph cache and trains identically; a corrupt or foreign
 cost file is measured over, not trusted; ranks take stored collective
-costs only when all hold the same ones."""
+costs only when all hold the same ones, and measure together when one
+rank lacks them."""
 
 import json
 import os
@@ -174,3 +175,32 @@ def test_the_free_memory_budget_is_rounded_down_to_a_power_of_two():
     assert _round_budget(2785512960 // 8) == _round_budget(2884214784 // 8) == 1 << 28
     assert _round_budget(1 << 28) == 1 << 28
     assert _round_budget(0) == 0
+
+
+def _agreed_costs(rank, world, cache_dir, probed):
+    # A cache directory per rank: one rank may then have a file the other lacks.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    import torch.distributed as dist
+
+    import sharc
+    from sharc._compile import collective_costs
+    from sharc.models.gpt import GPT, GPTConfig
+
+    collective_costs._probe = lambda runtime: probed
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    sharc.shard(model)
+    model.compile(backend="sharc")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_losses(model, opt, 1, rank, world)
+    return collective_costs.known_collective_costs(dist.group.WORLD.group_name)
+
+
+def test_ranks_measure_again_together_when_one_lacks_the_stored_costs(tmp_path):
+    stored, fresh = [40.0, 2e-5, 60.0, 3e-5], [2.0, 1e-2, 3.0, 1e-2]
+    assert run_ranks(_agreed_costs, 2, str(tmp_path), stored, timeout=420) == [stored] * 2
+    assert run_ranks(_agreed_costs, 2, str(tmp_path), fresh, timeout=420) == [stored] * 2
+    (lost,) = (tmp_path / "rank1" / "sharc").glob("collective-*.json")
+    lost.unlink()
+    # Rank 0 still holds the stored costs, rank 1 none: both measure.
+    assert run_ranks(_agreed_costs, 2, str(tmp_path), fresh, timeout=420) == [fresh] * 2
