@@ -520,11 +520,13 @@ void Runtime::write_rows(const ShardedParam& p, const at::Tensor& flat_grad,
 }
 
 void Runtime::write_gradient_columns(at::Tensor input, const std::vector<int64_t>& ids,
-                                     const std::vector<at::Tensor>& flat_grads) {
-  // Gradients that fill their rows are viewed as rows and copied by one
-  // concatenation per run of them (one kernel on a GPU, where a copy per
-  // member cost a launch each); one with padding is written row by row,
-  // never through a padded copy (a large uneven gradient would double).
+                                     const std::vector<at::Tensor>& full_grads) {
+  // Gradients that fill their rows, in the input's dtype and with nothing
+  // held back to add, are viewed as rows and copied by one concatenation
+  // per run of them (one kernel on a GPU, where a copy per member cost a
+  // launch each). Any other is written on its own as it comes, so that no
+  // cast, sum or padded copy of a gradient outlives its own write (a
+  // bucket's worth of them at once would raise the peak).
   const int64_t world = comm_.world_size();
   std::vector<at::Tensor> run;
   int64_t run_start = 0;
@@ -540,14 +542,17 @@ void Runtime::write_gradient_columns(at::Tensor input, const std::vector<int64_t
     run.clear();
   };
   for (size_t i = 0; i < ids.size(); ++i) {
-    const ShardedParam& p = param(ids[i]);
+    ShardedParam& p = param(ids[i]);
     const int64_t width = p.layout.shard_numel();
-    if (p.layout.padded_numel() == p.layout.numel && flat_grads[i].numel() == p.layout.numel) {
+    const at::Tensor& grad = full_grads[i];
+    const bool as_is = grad.scalar_type() == input.scalar_type() && !p.unreduced.defined() &&
+                       grad.numel() == p.layout.numel && p.layout.padded_numel() == p.layout.numel;
+    if (as_is) {
       if (run.empty()) run_start = column;
-      run.push_back(flat_grads[i].reshape({world, width}));
+      run.push_back(grad.reshape({world, width}));
     } else {
       copy_run();
-      write_rows(p, flat_grads[i], input.narrow(1, column, width));
+      write_rows(p, take_unreduced(p, grad, input.scalar_type()), input.narrow(1, column, width));
     }
     column += width;
   }
@@ -626,17 +631,16 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     at::Tensor input = at::empty({world, row}, options);
     write_header_bits(input.narrow(1, columns + 1, CollectiveHeader::kBits), issue.header);
     std::vector<int64_t> sent;
-    std::vector<at::Tensor> flat_grads;
+    std::vector<at::Tensor> sent_grads;
     for (size_t i = 0; i < ids.size(); ++i) {
-      ShardedParam& p = param(ids[i]);
       if (held[i]) {
-        hold_unreduced(p, full_grads[i]);
+        hold_unreduced(param(ids[i]), full_grads[i]);
         continue;
       }
       sent.push_back(ids[i]);
-      flat_grads.push_back(take_unreduced(p, full_grads[i], bucket_dtype));
+      sent_grads.push_back(full_grads[i]);
     }
-    write_gradient_columns(input, sent, flat_grads);
+    write_gradient_columns(input, sent, sent_grads);
     at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
     input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
     pending.input = input.view({-1});

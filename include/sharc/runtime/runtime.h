@@ -491,10 +491,11 @@ class Runtime : public torch::CustomClassHolder {
   /// x shard width, a column block of a reduce-scatter's input) as the
   /// ranks' shards, padding zeroed.
   void write_rows(const ShardedParam& p, const at::Tensor& flat_grad, at::Tensor rows) const;
-  /// Writes the gradients of `ids` (flat, in the bucket's dtype) into the
-  /// leading columns of a reduce-scatter's `input`, one block each, in order.
+  /// Writes the full gradients of `ids` (plus what no_sync held back, in
+  /// the input's dtype) into the leading columns of a reduce-scatter's
+  /// `input`, one block each, in order.
   void write_gradient_columns(at::Tensor input, const std::vector<int64_t>& ids,
-                              const std::vector<at::Tensor>& flat_grads);
+                              const std::vector<at::Tensor>& full_grads);
   /// The reduced `sums`' leading columns into `shards` (`widths` each, in
   /// order); `same_dtype`: every shard is in `sums`' dtype.
   static void copy_out_of_sums(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
