@@ -73,23 +73,18 @@ std::vector<CollectiveHeader> headers_of_rows(const at::Tensor& rows) {
   return headers;
 }
 
-at::Tensor header_bit_columns(const CollectiveHeader& header, int64_t rows,
-                              const at::TensorOptions& options) {
+void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
   const auto bits = header.bits();
-  at::Tensor values = at::empty({rows, CollectiveHeader::kBits}, at::kFloat);
+  at::Tensor values = at::empty(columns.sizes(), at::kFloat);
   float* out = values.mutable_data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < columns.size(0); ++r) {
     for (int i = 0; i < CollectiveHeader::kBits; ++i) *out++ = bits[i];
   }
-  // Cast on the host, into pinned memory: one queued copy reaches the device.
-  const at::Tensor target = at::empty({0}, options);
-  at::Tensor host = host_staging(values.sizes(), options.dtype().toScalarType(), target);
+  // Every row and the cast made on the host, into pinned memory: one queued
+  // copy reaches the device.
+  at::Tensor host = host_staging(columns.sizes(), columns.scalar_type(), columns);
   host.copy_(values);
-  return host.to(options.device(), /*non_blocking=*/!target.is_cpu());
-}
-
-void write_header_bits(at::Tensor columns, const CollectiveHeader& header) {
-  columns.copy_(header_bit_columns(header, columns.size(0), columns.options()));
+  columns.copy_(host, /*non_blocking=*/!columns.is_cpu());
 }
 
 std::vector<int64_t> read_header_bits(const at::Tensor& summed) {

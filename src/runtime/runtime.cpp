@@ -777,7 +777,6 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
   std::vector<at::Tensor> shards;
   std::vector<at::Tensor> sent;
   std::vector<int64_t> sent_widths;
-  bool same_dtype = true;
   for (size_t i = 0; i < pending.widths.size(); ++i) {
     const at::TensorOptions options = out.options().dtype(pending.dtypes[i]);
     if (pending.held[i]) {
@@ -787,18 +786,20 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
     shards.push_back(at::empty({pending.widths[i]}, options));
     sent.push_back(shards.back());
     sent_widths.push_back(pending.widths[i]);
-    same_dtype = same_dtype && pending.dtypes[i] == out.scalar_type();
   }
-  copy_out_of_sums(out, sent, sent_widths, same_dtype);
+  copy_out_of_sums(out, sent, sent_widths);
   return shards;
 }
 
 // One split copy (one kernel on a GPU) where the shard gradients keep the
 // reduced dtype, else a cast per member.
 void Runtime::copy_out_of_sums(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
-                               const std::vector<int64_t>& widths, bool same_dtype) {
+                               const std::vector<int64_t>& widths) {
   if (shards.empty()) return;
   const int64_t total = std::accumulate(widths.begin(), widths.end(), int64_t{0});
+  const bool same_dtype = std::all_of(shards.begin(), shards.end(), [&](const at::Tensor& s) {
+    return s.scalar_type() == sums.scalar_type();
+  });
   if (same_dtype) {
     at::split_with_sizes_copy_out(shards, sums.narrow(0, 0, total), widths, /*dim=*/0);
     return;

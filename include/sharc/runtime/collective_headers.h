@@ -46,11 +46,6 @@ at::Tensor exchange_header_rows(Communicator& comm, const CollectiveHeader& mine
 /// The headers in exchange_header_rows()' rows.
 std::vector<CollectiveHeader> headers_of_rows(const at::Tensor& rows);
 
-/// `header`'s bits as `rows` x kBits in `options`' dtype and device, every
-/// row alike (0 or 1, exact in any dtype).
-at::Tensor header_bit_columns(const CollectiveHeader& header, int64_t rows,
-                              const at::TensorOptions& options);
-
 /// Writes `header`'s bits into `columns` (rows x kBits), every row alike.
 void write_header_bits(at::Tensor columns, const CollectiveHeader& header);
 

@@ -497,9 +497,9 @@ class Runtime : public torch::CustomClassHolder {
   void write_gradient_columns(at::Tensor input, const std::vector<int64_t>& ids,
                               const std::vector<at::Tensor>& full_grads);
   /// The reduced `sums`' leading columns into `shards` (`widths` each, in
-  /// order); `same_dtype`: every shard is in `sums`' dtype.
+  /// order, each in its own dtype).
   static void copy_out_of_sums(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
-                               const std::vector<int64_t>& widths, bool same_dtype);
+                               const std::vector<int64_t>& widths);
   /// 1 x 1: nonzero (1 or true) if any element of `grid` is not finite.
   static at::Tensor nonfinite_flag(const at::Tensor& grid);
   /// A true-shape tensor over the buffer, recorded in `handed_out`.
