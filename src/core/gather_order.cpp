@@ -49,7 +49,8 @@ GatherOrder::Decision GatherOrder::gather(int64_t step, const GatherBucket& buck
   return decision;
 }
 
-GatherOrder::Decision GatherOrder::reached(const std::vector<int64_t>& ids, const Fits& fits) {
+GatherOrder::Decision GatherOrder::reached(const std::vector<int64_t>& ids, const Fits& fits,
+                                           Reach reach) {
   Decision decision;
   if (ids.empty() || std::any_of(ids.begin(), ids.end(),
                                  [this](int64_t id) { return excluded_.count(id) > 0; })) {
@@ -57,7 +58,10 @@ GatherOrder::Decision GatherOrder::reached(const std::vector<int64_t>& ids, cons
   }
   const std::optional<int64_t> point = gathered_in(ids);
   give_up_passed(point, decision);
-  if (point) start(*point + 1, *point, GatherBucket{}, fits, decision);
+  if (!point) return decision;
+  for (int64_t next = *point + 1; start(next, next - 1, GatherBucket{}, fits, decision); ++next) {
+    if (reach == Reach::kNextStep) break;
+  }
   return decision;
 }
 
@@ -145,9 +149,10 @@ std::vector<int64_t> GatherOrder::take(const GatherBucket& bucket) {
 // Starts step `step` of the last pass (once a pass), less what `asked`
 // gathers now in the step's dtype, if it fits; `after` is the step whose
 // point starts it (-1: a gather in it).
-void GatherOrder::start(int64_t step, int64_t after, const GatherBucket& asked, const Fits& fits,
+bool GatherOrder::start(int64_t step, int64_t after, const GatherBucket& asked, const Fits& fits,
                         Decision& decision) {
-  if (step >= static_cast<int64_t>(last_.steps.size()) || started_.count(step)) return;
+  if (step >= static_cast<int64_t>(last_.steps.size())) return false;
+  if (started_.count(step)) return true;
   GatherBucket bucket{{}, last_.steps[step].dtype};
   for (int64_t id : last_.steps[step].ids) {
     if (!excluded_.count(id)) bucket.ids.push_back(id);
@@ -158,14 +163,15 @@ void GatherOrder::start(int64_t step, int64_t after, const GatherBucket& asked, 
   }
   if (ahead.left.ids.empty()) {  // the gather asked for is the whole step
     started_.insert(step);
-    return;
+    return true;
   }
   // The asked gather joins the step's collective when their dtypes agree.
   GatherBucket to_start = asked.dtype == bucket.dtype ? bucket : ahead.left;
-  if (fits && !fits(to_start)) return;  // a later point may find room
+  if (fits && !fits(to_start)) return false;  // a later point may find room
   started_.insert(step);
   ahead_.push_back(std::move(ahead));
   decision.start.push_back(std::move(to_start));
+  return true;
 }
 
 // At a point after step `point` (none: a gather this order has not seen),

@@ -87,7 +87,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("eager_add_unit",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
               std::vector<int64_t> ids, std::vector<at::Tensor> shards) {
-             return self->eager_scope().add_unit(root, ids, shards);
+             return self->add_gather_unit(root, ids, shards);
            })
       .def("eager_enter",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,

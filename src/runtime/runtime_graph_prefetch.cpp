@@ -17,16 +17,32 @@
 //
 // Orders are followed within a pass only: a backward pass ends at the
 // autograd engine's end-of-backward callback, a forward pass where a
-// compiled forward reads nothing the previous forward graph returned
-// (begin_forward_graph), so nothing gathered ahead waits for the next call.
+// compiled forward reads nothing that derives from what a forward graph
+// of the pass returned ([Note: forward dataflow]), so nothing gathered
+// ahead waits for the next call.
 // Forward and backward keep separate orders: the forward's last graph is
 // followed by the loss and backward, the backward's last by an optimizer
 // step, and a gather started across either would be wasted or serve values
 // the step has changed since. So a graph of the other kind beginning gives
 // up what is ahead, and so does a changed shard under it.
+//
+// [Note: graph prefetch window]
+// Graphs split by many graph breaks gather little each, and on a host whose
+// collectives cost more to issue than to carry (latency, and ranks meeting
+// at every collective), one collective per graph is the step. So a graph's
+// point starts the next recorded graph's bucket and the graphs' after it,
+// one collective per dtype for all, until the bytes started ahead and not
+// yet taken would pass kGraphPrefetchWindowBytes (the next graph's bucket
+// always starts alone, whatever its size, as before) or the graph's memory
+// budget. Every later point tops the window up again. Each rank decides
+// from the same recorded order, the same sizes and the same budget, so all
+// start the same collectives; what was started for a graph that does not
+// come is given up by the rules of [Note: gather order].
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
 
 #include "sharc/runtime/runtime.h"
 
@@ -38,6 +54,18 @@ GatherOrder& Runtime::graph_order(int64_t graph_kind) {
 
 GatherOrder& Runtime::other_graph_order(int64_t graph_kind) {
   return graph_kind == kBackwardGraph ? forward_graphs_ : backward_graphs_;
+}
+
+int64_t Runtime::add_gather_unit(int64_t root, const std::vector<int64_t>& ids,
+                                 const std::vector<at::Tensor>& shards) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t id : ids) {
+      forward_graphs_.exclude(id);
+      backward_graphs_.exclude(id);
+    }
+  }
+  return eager_scope_.add_unit(root, ids, shards);
 }
 
 void Runtime::start_graph_gather(int64_t graph_kind, const std::vector<int64_t>& ids,
@@ -59,22 +87,52 @@ void Runtime::prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>
                                   int64_t budget_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   give_up_changed_ahead_locked();
-  // The graph's budget holds for what it gathers ahead too; at its later
-  // prefetch point, with more released, it may fit.
+  GatherOrder& order = graph_order(graph_kind);
+  // See [Note: graph prefetch window]. The graph's budget holds for what it
+  // gathers ahead too; at its later prefetch point, with more released, it
+  // may fit.
+  int64_t window = bytes_gathering_ahead_locked(order.ahead());
+  const int64_t gathered = accounting_.stats().gathered_bytes;
+  int64_t starting = 0;
   auto fits = [&](const GatherBucket& next) {
     const std::optional<int64_t> bytes =
         bytes_to_start_ahead_locked(next.ids, static_cast<c10::ScalarType>(next.dtype));
-    return bytes && (budget_bytes < 0 ||
-                     accounting_.stats().gathered_bytes + *bytes <= budget_bytes);
+    if (!bytes) return false;
+    if (budget_bytes >= 0 && gathered + starting + *bytes > budget_bytes) return false;
+    if (window > 0 && window + *bytes > kGraphPrefetchWindowBytes) return false;
+    window += *bytes;
+    starting += *bytes;
+    return true;
   };
-  const GatherOrder::Decision decision = graph_order(graph_kind).reached(key, fits);
+  const GatherOrder::Decision decision =
+      order.reached(key, fits, GatherOrder::Reach::kWhileFits);
   drop_unheld_locked(decision.give_up);
+  // What the point starts goes out as one collective per dtype.
+  std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> by_dtype;
   for (const GatherBucket& next : decision.start) {
     const auto dtype = static_cast<c10::ScalarType>(next.dtype);
     if (bytes_to_start_ahead_locked(next.ids, dtype).value_or(0) == 0) continue;
     accounting_.on_graph_prefetch();
-    start_gathers_locked(next.ids, dtype);
+    auto group = std::find_if(by_dtype.begin(), by_dtype.end(),
+                              [&](const auto& g) { return g.first == dtype; });
+    if (group == by_dtype.end()) group = by_dtype.insert(by_dtype.end(), {dtype, {}});
+    group->second.insert(group->second.end(), next.ids.begin(), next.ids.end());
   }
+  for (const auto& [dtype, ids] : by_dtype) start_gathers_locked(ids, dtype);
+}
+
+// The bytes of `ids` in flight or gathered and unheld: what a point started
+// ahead and no graph has taken yet.
+int64_t Runtime::bytes_gathering_ahead_locked(const std::vector<int64_t>& ids) const {
+  int64_t bytes = 0;
+  for (int64_t id : ids) {
+    const ShardedParam& p = *params_.at(static_cast<size_t>(id));
+    const ParamState s = p.state.state();
+    if (s == ParamState::Gathering || (s == ParamState::Gathered && p.state.holds() == 0)) {
+      bytes += p.layout.padded_numel() * c10::elementSize(p.base.scalar_type());
+    }
+  }
+  return bytes;
 }
 
 // What gathering `ids` in `dtype` now would allocate; none if one of them is
@@ -159,12 +217,7 @@ void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
   // A backward that raised never ran its final callbacks: a forward means
   // whatever backward queued one is over, so the next one queues its own.
   end_of_backward_queued_ = false;
-  for (const at::Tensor& input : inputs) {
-    if (!input.defined()) continue;
-    for (const auto& output : forward_outputs_) {
-      if (output.lock().get() == input.unsafeGetTensorImpl()) return;  // the pass goes on
-    }
-  }
+  if (forward_dataflow_.begin_graph(inputs, backward_ends_)) return;  // the pass goes on
   drop_unheld_locked(forward_graphs_.end_pass());
   // A forward outside any backward: a backward whose end-of-backward call
   // never came (run by hand, or raised) is over too.
@@ -175,12 +228,7 @@ void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
 
 void Runtime::end_forward_graph(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  forward_outputs_.clear();
-  for (const at::Tensor& output : outputs) {
-    if (output.defined()) {
-      forward_outputs_.emplace_back(output.getIntrusivePtr());
-    }
-  }
+  forward_dataflow_.graph_returned(outputs);
 }
 
 void Runtime::end_backward_pass() {

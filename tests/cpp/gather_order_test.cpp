@@ -304,5 +304,77 @@ TEST(GatherOrder, AGraphRunTwiceInARowFollowsItself) {
   EXPECT_TRUE(g.order.end_pass().empty());
 }
 
+// Graphs whose points start ahead while `room` lets each bucket (the
+// compiled graphs' window): three graphs of one gather each.
+struct Window {
+  GatherOrder order;
+  int64_t gathers = 0;
+  Log log;
+  int room = 1 << 20;  // buckets the next point may start
+  const GatherBucket a{{1}, kDtype}, b{{2, 3}, kDtype}, c{{4}, kDtype}, d{{5}, kDtype};
+  void gather(const GatherBucket& bucket) {
+    log.add(order.gather(gathers++, bucket, [](const GatherBucket&) { return false; }));
+  }
+  void end(const Ids& key) {
+    int left = room;
+    log.add(order.reached(key, [&left](const GatherBucket&) { return left-- > 0; },
+                          GatherOrder::Reach::kWhileFits));
+  }
+  void graph(const GatherBucket& bucket) {
+    gather(bucket);
+    end(bucket.ids);
+  }
+  void recorded_pass() {
+    for (const GatherBucket* g : {&a, &b, &c, &d}) graph(*g);
+    order.end_pass();
+  }
+};
+
+TEST(GatherOrder, AWindowPointStartsEveryLaterStepThatFitsAndTheGraphsTakeThem) {
+  Window w;
+  w.recorded_pass();
+  w.graph(w.a);
+  EXPECT_EQ(w.log.started, (Buckets{w.b, w.c, w.d}));
+  w.graph(w.b);
+  w.graph(w.c);
+  w.graph(w.d);
+  EXPECT_EQ(w.log.started.size(), 3u);  // each started once a pass
+  EXPECT_TRUE(w.log.given_up.empty());
+  EXPECT_TRUE(w.order.end_pass().empty());
+}
+
+TEST(GatherOrder, AWindowStopsAtTheFirstStepThatDoesNotFitAndLaterPointsTopItUp) {
+  Window w;
+  w.recorded_pass();
+  w.room = 2;
+  w.graph(w.a);
+  EXPECT_EQ(w.log.started, (Buckets{w.b, w.c}));
+  w.room = 1;
+  w.graph(w.b);  // c is under way: the window goes on with d
+  EXPECT_EQ(w.log.started, (Buckets{w.b, w.c, w.d}));
+}
+
+TEST(GatherOrder, AStepAWindowStartedIsGivenUpOnceThePassGoesPastItsPlace) {
+  Window w;
+  w.recorded_pass();
+  w.graph(w.a);  // starts b, c and d
+  w.graph(w.c);  // another path: b did not come
+  EXPECT_EQ(w.log.given_up, w.b.ids);
+  w.graph(w.d);  // d came after c as recorded: taken, not given up
+  EXPECT_EQ(w.log.given_up, w.b.ids);
+  EXPECT_TRUE(w.order.end_pass().empty());
+}
+
+TEST(GatherOrder, TheNextStepOnlyReachStartsOneStep) {
+  Graphs g;
+  g.forward_pass();
+  g.gather(kOnlyOfC);  // a third graph
+  g.end(kOnlyOfC.ids);
+  g.order.end_pass();
+  g.gather(kLastOfA);
+  g.end(kLastOfA.ids);
+  EXPECT_EQ(g.log.started, Buckets{kFirstOfB});
+}
+
 }  // namespace
 }  // namespace sharc

@@ -3,7 +3,8 @@ graph's first gather starts at the end of the graph before it (from the
 second step on, in the order recorded in the first), in forward and in
 backward; training is unchanged and nothing stays gathered, also when the
 graph that follows changes from one step to the next, and between forward
-calls without backward (nothing is gathered ahead for the next call)."""
+calls without backward (nothing is gathered ahead for the next call);
+also across eager code between graphs that computes on what they return."""
 
 import torch
 
@@ -128,3 +129,99 @@ def test_forward_calls_without_backward_prefetch_within_a_call_only():
         assert [left for *_, left in calls] == [0] * STEPS  # nothing ahead for the next call
         prefetches = [n for _, n, _ in calls]
         assert prefetches[0] == 0 and all(n >= 1 for n in prefetches[1:]), prefetches
+
+
+class _Linear(torch.nn.Module):
+    """A module of the test's own: Dynamo does not compile torch.nn's own
+    modules as frames of their own."""
+
+    def __init__(self, width_in, width_out):
+        super().__init__()
+        self.fc = torch.nn.Linear(width_in, width_out)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _Experts(torch.nn.Module):
+    """Each module compiled on its own, with eager code between the graphs
+    that computes on what the graphs return: the second expert reads the
+    first graph's output (through eager code), never the first expert's,
+    as a router's experts do."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.fc_in = _Linear(width, width)
+        self.expert_a = _Linear(width, width)
+        self.expert_b = _Linear(width, width)
+        self.head = _Linear(width, 1)
+
+    def compile_each(self):
+        for module in (self.fc_in, self.expert_a, self.expert_b, self.head):
+            module.compile(backend="sharc")
+
+    def forward(self, x, y):
+        h = torch.relu(self.fc_in(x))
+        a = self.expert_a(h * 0.5)
+        b = self.expert_b(h + 1.0)
+        return torch.nn.functional.mse_loss(self.head(torch.relu(a + b)), y)
+
+
+def _train_experts(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Experts()
+    sharc.shard(model)
+    model.compile_each()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"losses": [], "prefetches": [], "gathers": [], "left": []}
+    for step in range(STEPS):
+        sharc.reset_memory_stats()
+        loss = model(*_batch(step, rank, world))
+        forward_prefetches = sharc.memory_stats()["graph_prefetch_calls"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = sharc.memory_stats()
+        out["losses"].append(loss.item())
+        out["prefetches"].append(forward_prefetches)
+        out["gathers"].append(stats["allgather_calls"])
+        out["left"].append(stats["gathered_bytes"] - stats["kept_gathered_bytes"])
+    return out
+
+
+def _experts_reference(world):
+    """The same training in one process, on the whole batch."""
+    torch.manual_seed(0)
+    model = _Experts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = zip(*(_batch(step, rank, world) for rank in range(world)))
+        loss = model(torch.cat(x), torch.cat(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_graphs_that_read_an_earlier_graphs_output_through_eager_code_prefetch_each_other():
+    """The experts' graphs each continue the forward pass of the first
+    graph, though eager code computed their inputs and neither reads the
+    other's output: every graph boundary of the forward starts the next
+    graph's gather ahead, from the second step on ([Note: forward
+    dataflow])."""
+    outs = run_ranks(_train_experts, 2)
+    # Each rank's loss is its half's mean; the halves are equal in size.
+    mean = [sum(pair) / 2 for pair in zip(*(out["losses"] for out in outs))]
+    for got, want in zip(mean, _experts_reference(2)):
+        assert abs(got - want) <= 1e-5 * abs(want), (mean, want)
+    for out in outs:
+        assert out["left"] == [0] * STEPS
+        assert out["prefetches"][0] == 0
+        # fc_in -> expert_a -> expert_b -> head: three boundaries a step.
+        assert out["prefetches"][1:] == [3] * (STEPS - 1), out["prefetches"]
+        assert out["gathers"][1:] == [out["gathers"][1]] * (STEPS - 1)
+        assert out["gathers"][1] <= out["gathers"][0]

@@ -23,7 +23,10 @@
 //   such a point at every gather it asks for (so it gathers its module
 //   and the next); a compiled graph at the point its schedule marks after
 //   its last gather, its key (so it gathers the next graph's first bucket,
-//   one bucket ahead).
+//   one bucket ahead). A compiled graph's point may start more than the next
+//   step (Reach::kWhileFits): each step after it in turn, for as long as
+//   `fits` lets each; a step so started counts as started by the point
+//   right before it, for the rules below.
 //
 // A step is started at most once a pass. What was started ahead and not
 // taken is given up (its parameters freed unless someone holds them):
@@ -113,8 +116,15 @@ class GatherOrder {
   /// `fits` says whether the rest of its recorded step may start with it.
   Decision gather(int64_t step, const GatherBucket& bucket, const Fits& fits = {});
 
+  /// How far a point starts ahead.
+  enum class Reach {
+    kNextStep,   ///< the step recorded after the point's, once a pass
+    kWhileFits,  ///< and the steps after it, one by one, while `fits` lets
+                 ///< each (compiled graphs: see [Note: graph prefetch window])
+  };
   /// A point every rank reaches alike, right after the gather of `ids`.
-  Decision reached(const std::vector<int64_t>& ids, const Fits& fits = {});
+  Decision reached(const std::vector<int64_t>& ids, const Fits& fits = {},
+                   Reach reach = Reach::kNextStep);
 
   /// The pass is over: returns what was started ahead and never taken, to
   /// give up. Its order becomes the one the next pass follows.
@@ -146,7 +156,8 @@ class GatherOrder {
   std::optional<int64_t> find(const std::vector<int64_t>& ids) const;
   std::optional<int64_t> gathered_in(const std::vector<int64_t>& ids) const;
   std::vector<int64_t> take(const GatherBucket& bucket);
-  void start(int64_t step, int64_t after, const GatherBucket& asked, const Fits& fits,
+  /// False when step `step` is past the recording or did not fit.
+  bool start(int64_t step, int64_t after, const GatherBucket& asked, const Fits& fits,
              Decision& decision);
   void give_up_passed(std::optional<int64_t> point, Decision& decision);
   void forget_empty();

@@ -26,6 +26,7 @@
 #include "sharc/runtime/eager_prefetch.h"
 #include "sharc/runtime/eager_reduction.h"
 #include "sharc/runtime/eager_scope.h"
+#include "sharc/runtime/forward_dataflow.h"
 #include "sharc/core/layout.h"
 #include "sharc/core/param_state.h"
 #include "sharc/runtime/gather_spec.h"
@@ -216,9 +217,13 @@ class Runtime : public torch::CustomClassHolder {
   /// at the pass's end that gives up what was gathered ahead and not taken.
   void start_graph_gather(int64_t graph_kind, const std::vector<int64_t>& ids,
                           c10::ScalarType dtype);
+  /// Bytes a compiled graph's point keeps started ahead at most, beyond the
+  /// next graph's bucket ([Note: graph prefetch window]).
+  static constexpr int64_t kGraphPrefetchWindowBytes = 4 << 20;
   /// A compiled graph reached a point where the next graph's first gather
   /// may start (its prefetch point; `key` names the graph): starts the
-  /// gather recorded after this graph's end last time, if the bytes then
+  /// gather recorded after this graph's end last time, and those of the
+  /// graphs after it within kGraphPrefetchWindowBytes, if the bytes then
   /// gathered stay within `budget_bytes` (the graph's memory budget);
   /// gives up a bucket gathered ahead for a graph that did not come.
   /// `key` (the parameters of the graph's last gather) finds the point.
@@ -241,11 +246,12 @@ class Runtime : public torch::CustomClassHolder {
   /// pass that gathered, eager or compiled).
   int64_t backward_ends();
   /// A compiled forward graph is about to run on `inputs`. Unless one of
-  /// them is an output of the forward graph that ran last (the very tensor),
-  /// a new forward pass begins here: the graph is nobody's follower, and a
-  /// bucket gathered ahead is given up. So only graphs that continue a
-  /// pass's dataflow follow one another, and nothing gathered ahead stays
-  /// gathered between two forward calls. Does not communicate.
+  /// them derives from an output of a forward graph of this pass, within
+  /// the same step ([Note: forward dataflow]), a new forward pass begins
+  /// here: the graph is nobody's follower, and a bucket gathered ahead is
+  /// given up. So only graphs that continue a pass's dataflow follow one
+  /// another, and nothing gathered ahead stays gathered between two forward
+  /// calls. Does not communicate.
   void begin_forward_graph(const std::vector<at::Tensor>& inputs);
   /// The forward graph that ran has returned `outputs` (held weakly, for the
   /// next begin_forward_graph).
@@ -386,6 +392,12 @@ class Runtime : public torch::CustomClassHolder {
   /// The eager path's gathers ahead (see [Note: eager prefetch]).
   EagerPrefetch& eager_prefetch() { return eager_prefetch_; }
   /// The eager path's owner of gathered parameters (see [Note: eager holds]).
+  /// A gather unit of root `root` (EagerScope::add_unit): its members are
+  /// gathered whole by the unit, on the ranks that enter it, so neither the
+  /// eager nor the compiled graphs' gather orders record or start them
+  /// ([Note: gather order]). Returns the unit's index.
+  int64_t add_gather_unit(int64_t root, const std::vector<int64_t>& ids,
+                          const std::vector<at::Tensor>& shards);
   EagerScope& eager_scope() { return eager_scope_; }
 
   /// What this group's collectives cost, measured on the first call (a
@@ -467,6 +479,7 @@ class Runtime : public torch::CustomClassHolder {
                             std::optional<c10::ScalarType> dtype);
   /// The bytes gathering `ids` in `dtype` ahead would allocate; none if one
   /// is held or in flight in another dtype.
+  int64_t bytes_gathering_ahead_locked(const std::vector<int64_t>& ids) const;
   std::optional<int64_t> bytes_to_start_ahead_locked(const std::vector<int64_t>& ids,
                                                      c10::ScalarType dtype) const;
   /// The order of compiled graphs of `graph_kind`, and of the other kind.
@@ -556,8 +569,8 @@ class Runtime : public torch::CustomClassHolder {
   EagerScope eager_scope_{*this};
   bool end_of_backward_queued_ = false;
   int64_t backward_ends_ = 0;  ///< end_backward_pass() calls
-  /// The outputs of the forward graph that ran last (begin_forward_graph).
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> forward_outputs_;
+  /// Whether a forward graph continues the pass (begin_forward_graph).
+  ForwardDataflow forward_dataflow_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
   std::mutex costs_mutex_;  ///< guards costs_ (mutex_ is not held while measuring)
   std::mutex mutex_;  // autograd may run backward on a worker thread

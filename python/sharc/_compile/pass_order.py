@@ -6,11 +6,12 @@ in src/runtime/runtime_graph_prefetch.cpp). That order must stay within one
 forward pass: between two forward calls with no backward in between (an
 evaluation loop, a forward dropped without backward) a bucket gathered ahead
 would stay gathered in the user's hands. A compiled forward graph continues
-the pass when it reads a tensor the previous forward graph returned (the
-graph break left it to eager code that handed it on); any other graph starts
-a new pass. The runtime checks that (Runtime::begin_forward_graph) from the
-tensors this wrapper around each compiled forward hands it before and after
-the call, so every rank decides alike from the same dataflow.
+the pass when it reads a tensor a forward graph of the pass returned, or one
+eager code computed from it at the graph break; any other graph starts a new
+pass, and so does the first after a backward. The runtime checks that
+(Runtime::begin_forward_graph, [Note: forward dataflow]) from the tensors
+this wrapper around each compiled forward hands it before and after the
+call, so every rank decides alike from the same dataflow.
 """
 
 from __future__ import annotations
