@@ -32,9 +32,12 @@
 // at every collective), one collective per graph is the step. So a graph's
 // point starts the next recorded graph's bucket and the graphs' after it,
 // one collective per dtype for all, until the bytes started ahead and not
-// yet taken would pass kGraphPrefetchWindowBytes (the next graph's bucket
-// always starts alone, whatever its size, as before) or the graph's memory
-// budget. Every later point tops the window up again. Each rank decides
+// yet taken would pass kGraphPrefetchWindowBytes or the graph's memory
+// budget. The first bucket a point starts is held to the budget only, as
+// before the window, whatever else is ahead: a point adds at most one
+// bucket beyond the window and each graph takes one, so what is ahead stays
+// within the window and one graph's bucket. Every later point tops the
+// window up again. Each rank decides
 // from the same recorded order, the same sizes and the same budget, so all
 // start the same collectives; what was started for a graph that does not
 // come is given up by the rules of [Note: gather order].
@@ -99,7 +102,9 @@ void Runtime::prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>
         bytes_to_start_ahead_locked(next.ids, static_cast<c10::ScalarType>(next.dtype));
     if (!bytes) return false;
     if (budget_bytes >= 0 && gathered + starting + *bytes > budget_bytes) return false;
-    if (window > 0 && window + *bytes > kGraphPrefetchWindowBytes) return false;
+    // The first bucket a point starts is held to the budget only (the next
+    // graph's, as before the window); those after it to the window too.
+    if (starting > 0 && window + *bytes > kGraphPrefetchWindowBytes) return false;
     window += *bytes;
     starting += *bytes;
     return true;
