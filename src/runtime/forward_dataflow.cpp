@@ -24,7 +24,10 @@ void ForwardDataflow::graph_returned(const std::vector<at::Tensor>& outputs) {
   for (const at::Tensor& output : outputs) {
     if (!output.defined()) continue;
     outputs_.emplace_back(output.getIntrusivePtr());
-    if (const torch::autograd::Node* node = output.grad_fn().get()) {
+    const torch::autograd::Node* node = output.grad_fn().get();
+    // A graph's outputs mostly share one node (its backward): kept once.
+    if (node != nullptr &&
+        (output_nodes_.empty() || output_nodes_.back().first != node)) {
       output_nodes_.emplace_back(node, node->sequence_nr());
       oldest_output_node_ = std::min(oldest_output_node_, node->sequence_nr());
     }

@@ -392,13 +392,13 @@ class Runtime : public torch::CustomClassHolder {
   /// The eager path's gathers ahead (see [Note: eager prefetch]).
   EagerPrefetch& eager_prefetch() { return eager_prefetch_; }
   /// The eager path's owner of gathered parameters (see [Note: eager holds]).
+  EagerScope& eager_scope() { return eager_scope_; }
   /// A gather unit of root `root` (EagerScope::add_unit): its members are
   /// gathered whole by the unit, on the ranks that enter it, so neither the
   /// eager nor the compiled graphs' gather orders record or start them
   /// ([Note: gather order]). Returns the unit's index.
   int64_t add_gather_unit(int64_t root, const std::vector<int64_t>& ids,
                           const std::vector<at::Tensor>& shards);
-  EagerScope& eager_scope() { return eager_scope_; }
 
   /// What this group's collectives cost, measured on the first call (a
   /// few small collectives on the parameters' device, the same numbers on
@@ -477,9 +477,11 @@ class Runtime : public torch::CustomClassHolder {
   /// start_gather() with the lock held.
   void start_gathers_locked(const std::vector<int64_t>& ids,
                             std::optional<c10::ScalarType> dtype);
+  /// The bytes of `ids` in flight or gathered and unheld (started ahead,
+  /// not taken yet).
+  int64_t bytes_gathering_ahead_locked(const std::vector<int64_t>& ids) const;
   /// The bytes gathering `ids` in `dtype` ahead would allocate; none if one
   /// is held or in flight in another dtype.
-  int64_t bytes_gathering_ahead_locked(const std::vector<int64_t>& ids) const;
   std::optional<int64_t> bytes_to_start_ahead_locked(const std::vector<int64_t>& ids,
                                                      c10::ScalarType dtype) const;
   /// The order of compiled graphs of `graph_kind`, and of the other kind.
