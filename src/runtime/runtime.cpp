@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "sharc/runtime/collective_headers.h"
 #include "sharc/runtime/device_storage.h"
@@ -917,12 +918,19 @@ at::Tensor Runtime::hand_out(ShardedParam& p) {
 
 void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const ShardedParam& p = param(id);
+  ShardedParam& p = param(id);
   SHARC_CHECK(shard.storage().is_alias_of(p.shard.storage()), "sharc: the tensor passed "
               "as the shard of '", p.name, "' (id ", id, ", group '", comm_.group_name(),
               "') is not the shard sharc registered: the module was sharded on a process "
               "group that has since been destroyed, or the parameter's .data was replaced; "
               "shard the module again on the current group");
+  // The tensor a forward reads is the one its backward accumulates into:
+  // the user's parameter. In backward, a graph's re-gather reads what
+  // autograd unpacked from the saved tensors, a stand-in sharing its
+  // storage, which .grad of would go nowhere.
+  if (shard.requires_grad() && torch::autograd::get_current_graph_task_id() == -1) {
+    p.read_as_shard = c10::weak_intrusive_ptr<c10::TensorImpl>(shard.getIntrusivePtr());
+  }
 }
 
 void Runtime::set_spec(int64_t id, c10::ScalarType gather_dtype, c10::ScalarType reduce_dtype,
@@ -1037,6 +1045,7 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("gather_wait_ns", s.gather_wait_ns);
   out.insert("reduce_wait_ns", s.reduce_wait_ns);
   out.insert("graph_prefetch_calls", s.graph_prefetch_calls);
+  out.insert("late_reductions", s.late_reductions);
   // What stays gathered between steps by design: persistent parameters.
   // And the room for collective headers that shard_bytes and gathered_bytes
   // leave out: one header after each shard (add_param_locked), one per rank

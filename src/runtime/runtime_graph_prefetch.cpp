@@ -203,6 +203,7 @@ void Runtime::queue_end_of_backward() {
 
 void Runtime::begin_eager_forward() {
   if (torch::autograd::get_current_graph_task_id() != -1) return;  // recomputed in backward
+  drop_late_reductions();
   std::lock_guard<std::mutex> lock(mutex_);
   end_of_backward_queued_ = false;
 }
@@ -218,6 +219,7 @@ c10::weak_intrusive_ptr<Runtime> Runtime::weak_self() {
 }
 
 void Runtime::begin_forward_graph(const std::vector<at::Tensor>& inputs) {
+  drop_late_reductions();
   std::lock_guard<std::mutex> lock(mutex_);
   // A backward that raised never ran its final callbacks: a forward means
   // whatever backward queued one is over, so the next one queues its own.

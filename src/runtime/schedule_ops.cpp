@@ -113,7 +113,7 @@ std::vector<at::Tensor> wait_reduce_scatter_kernel(const at::Tensor& token,
                                                    const std::string& group,
                                                    c10::IntArrayRef params) {
   auto runtime = RuntimeTable::instance().get(group);
-  std::vector<at::Tensor> shards = runtime->wait_reduce_scatter(runtime->take_token(token));
+  std::vector<at::Tensor> shards = runtime->wait_reduce_scatter_in_graph(runtime->take_token(token));
   SHARC_CHECK(shards.size() == params.size(), "sharc: the reduce-scatter of this token serves ",
               shards.size(), " parameters, not ", params.size(), "; this is a sharc bug");
   return shards;

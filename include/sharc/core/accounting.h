@@ -30,6 +30,9 @@ struct MemoryStats {
   /// Gathers started at the end of a compiled graph for the next one
   /// (cross-graph prefetch) since reset.
   int64_t graph_prefetch_calls = 0;
+  /// Reductions compiled backward graphs left in flight behind them, waited
+  /// later (see wait_reduce_scatter_in_graph), since reset.
+  int64_t late_reductions = 0;
   /// Collective headers sent since reset (see [Note: collective
   /// agreement]), beside the data counted above.
   int64_t header_sent_bytes = 0;
@@ -51,6 +54,7 @@ class MemoryAccounting {
   void on_gather_wait(int64_t ns);
   void on_reduce_wait(int64_t ns);
   void on_graph_prefetch();
+  void on_late_reduction();
   void on_header_sent(int64_t bytes);
   void on_agreement_call();
   /// Zeroes the communication counters and sets the peak to the current level.

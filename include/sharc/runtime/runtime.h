@@ -6,6 +6,7 @@
 // c10::intrusive_ptr, reaches Python as torch.classes.sharc.Runtime, and the
 // torch.ops.sharc operators find it by the group's name (RuntimeTable).
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -110,6 +111,10 @@ struct ShardedParam {
   /// then the non-finite flag's sum) reduce-scattered in the shard group
   /// and not yet all-reduced over the replicate group.
   at::Tensor unreplicated;
+  /// The tensor the last gather read as this shard (check_shard), weakly:
+  /// the user's parameter, whose .grad a late reduction adds into ([Note:
+  /// late reduction waits]).
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> read_as_shard;
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
   bool deferred = false;
@@ -287,6 +292,20 @@ class Runtime : public torch::CustomClassHolder {
   /// size), in the order they were started. Throws sharc::Error for a token
   /// waited on already or never handed out.
   std::vector<at::Tensor> wait_reduce_scatter(int64_t token);
+  /// A compiled backward graph's wait: as wait_reduce_scatter(), or, where
+  /// the reduction may finish after the graph ([Note: late reduction
+  /// waits]), zero shard gradients at once, the reduced ones being added
+  /// into the parameters' .grad when the reduction is waited: at the end
+  /// of the backward pass, or sooner to keep the reductions in flight
+  /// within kLateReductionWindowBytes.
+  std::vector<at::Tensor> wait_reduce_scatter_in_graph(int64_t token);
+  /// Bytes of reductions in flight (their inputs and outputs) that compiled
+  /// backward graphs may leave behind them ([Note: late reduction waits]).
+  static constexpr int64_t kLateReductionWindowBytes = 4 << 20;
+  /// Waits every reduction a compiled graph left in flight and adds its
+  /// shard gradients into their parameters' .grad, oldest first: the
+  /// autograd engine's call at the end of a backward pass that left one.
+  void deliver_late_reductions();
 
   /// Hybrid sharding: sums shard gradients over `group_name` (the ranks
   /// holding the same shards) after each reduce-scatter in this group.
@@ -571,6 +590,22 @@ class Runtime : public torch::CustomClassHolder {
   EagerScope eager_scope_{*this};
   bool end_of_backward_queued_ = false;
   int64_t backward_ends_ = 0;  ///< end_backward_pass() calls
+  /// Reductions compiled graphs left in flight, oldest first, with the
+  /// bytes each holds; their bytes together; and the autograd graph task
+  /// whose end delivers them ([Note: late reduction waits]).
+  struct LateReduction {
+    int64_t token;
+    int64_t bytes;
+  };
+  bool may_finish_late_locked(const PendingReduction& pending);
+  bool queue_late_delivery_locked();
+  void deliver_late(int64_t token);
+  /// A forward outside backward: reductions a backward that raised left in
+  /// flight are waited and their gradients dropped, as that pass's.
+  void drop_late_reductions();
+  std::deque<LateReduction> late_reductions_;
+  int64_t late_reduction_bytes_ = 0;
+  int64_t late_delivery_task_ = -1;
   /// Whether a forward graph continues the pass (begin_forward_graph).
   ForwardDataflow forward_dataflow_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
