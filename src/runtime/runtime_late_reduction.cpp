@@ -185,7 +185,7 @@ void Runtime::deliver_late(int64_t token) {
     if (grad.defined()) {
       grad.add_(shards[i]);
     } else {
-      grad = shards[i].to(targets[i].scalar_type());
+      grad = shards[i];  // in the grad dtype, as autograd would have set it
     }
   }
 }

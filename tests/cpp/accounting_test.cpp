@@ -44,6 +44,15 @@ TEST(MemoryAccounting, CountsCommunication) {
   EXPECT_EQ(a.stats().reduce_scatter_calls, 1);
 }
 
+TEST(MemoryAccounting, CountsLateReductionsUntilReset) {
+  MemoryAccounting a;
+  a.on_late_reduction();
+  a.on_late_reduction();
+  EXPECT_EQ(a.stats().late_reductions, 2);
+  a.reset();
+  EXPECT_EQ(a.stats().late_reductions, 0);
+}
+
 TEST(MemoryAccounting, FreeingMoreThanGatheredIsAnError) {
   MemoryAccounting a;
   a.on_gathered(10);
