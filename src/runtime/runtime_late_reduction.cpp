@@ -37,7 +37,6 @@
 // differently (a hook on one rank only) without diverging.
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -131,28 +130,23 @@ bool Runtime::queue_late_delivery_locked() {
 }
 
 void Runtime::deliver_late_reductions() {
-  std::vector<int64_t> tokens;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const LateReduction& late : late_reductions_) tokens.push_back(late.token);
-    late_reductions_.clear();
-    late_reduction_bytes_ = 0;
-    late_delivery_task_ = -1;
-  }
-  for (int64_t token : tokens) deliver_late(token);
+  for (int64_t token : take_late_reductions()) deliver_late(token);
 }
 
 void Runtime::drop_late_reductions() {
   if (torch::autograd::get_current_graph_task_id() != -1) return;  // recomputed in backward
+  for (int64_t token : take_late_reductions()) wait_reduce_scatter(token);
+}
+
+// Every reduction left in flight, oldest first; none is left after.
+std::vector<int64_t> Runtime::take_late_reductions() {
+  std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int64_t> tokens;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const LateReduction& late : late_reductions_) tokens.push_back(late.token);
-    late_reductions_.clear();
-    late_reduction_bytes_ = 0;
-    late_delivery_task_ = -1;
-  }
-  for (int64_t token : tokens) wait_reduce_scatter(token);
+  for (const LateReduction& late : late_reductions_) tokens.push_back(late.token);
+  late_reductions_.clear();
+  late_reduction_bytes_ = 0;
+  late_delivery_task_ = -1;
+  return tokens;
 }
 
 // Waits the reduction of `token` and adds its shard gradients into .grad of

@@ -111,9 +111,9 @@ struct ShardedParam {
   /// then the non-finite flag's sum) reduce-scattered in the shard group
   /// and not yet all-reduced over the replicate group.
   at::Tensor unreplicated;
-  /// The tensor the last gather read as this shard (check_shard), weakly:
-  /// the user's parameter, whose .grad a late reduction adds into ([Note:
-  /// late reduction waits]).
+  /// The tensor the last gather outside backward read as this shard
+  /// (check_shard), weakly: the user's parameter, whose .grad a late
+  /// reduction adds into ([Note: late reduction waits]).
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> read_as_shard;
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
@@ -590,19 +590,22 @@ class Runtime : public torch::CustomClassHolder {
   EagerScope eager_scope_{*this};
   bool end_of_backward_queued_ = false;
   int64_t backward_ends_ = 0;  ///< end_backward_pass() calls
+  /// Late reductions ([Note: late reduction waits]), in
+  /// runtime_late_reduction.cpp.
+  bool may_finish_late_locked(const PendingReduction& pending);
+  bool queue_late_delivery_locked();
+  void deliver_late(int64_t token);
+  std::vector<int64_t> take_late_reductions();
+  /// A forward outside backward: reductions a backward that raised left in
+  /// flight are waited and their gradients dropped, as that pass's.
+  void drop_late_reductions();
   /// Reductions compiled graphs left in flight, oldest first, with the
   /// bytes each holds; their bytes together; and the autograd graph task
-  /// whose end delivers them ([Note: late reduction waits]).
+  /// whose end delivers them.
   struct LateReduction {
     int64_t token;
     int64_t bytes;
   };
-  bool may_finish_late_locked(const PendingReduction& pending);
-  bool queue_late_delivery_locked();
-  void deliver_late(int64_t token);
-  /// A forward outside backward: reductions a backward that raised left in
-  /// flight are waited and their gradients dropped, as that pass's.
-  void drop_late_reductions();
   std::deque<LateReduction> late_reductions_;
   int64_t late_reduction_bytes_ = 0;
   int64_t late_delivery_task_ = -1;
