@@ -51,7 +51,11 @@ def memory_stats(group=None) -> dict[str, int]:
     """This rank's exact byte figures for `group` (default: the world):
     shard_bytes, gathered_bytes, peak_gathered_bytes, allgather_bytes,
     reduce_scatter_bytes (sent since the last reset), collective counts,
-    unreduced_grad_bytes (full gradients held back by no_sync), and the
+    unreduced_grad_bytes (full gradients held back by no_sync),
+    graph_prefetch_calls (gathers compiled graphs started for the next one)
+    and late_reductions (reductions compiled backward graphs on the host
+    left in flight, their gradients added into .grad later; see
+    docs/design/compiled-schedule.md), and the
     collective headers by which the ranks agree on every collective:
     header_bytes (room for them in the gathered buffers, beyond
     gathered_bytes), header_sent_bytes (since the last reset) and
