@@ -227,15 +227,7 @@ void EagerScope::reduce_unit(const Unit& unit) {
   }
   if (ids.empty()) return;
   std::vector<at::Tensor> grads = runtime_.flush_unit(ids);
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    at::Tensor& grad = shards[i].mutable_grad();
-    if (grad.defined()) {
-      grad.add_(grads[i]);
-    } else {
-      grad = grads[i];
-    }
-  }
+  for (size_t i = 0; i < ids.size(); ++i) Runtime::add_into_grad(shards[i], grads[i]);
 }
 
 void EagerScope::end_backward() {

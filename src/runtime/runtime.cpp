@@ -822,6 +822,16 @@ at::Tensor Runtime::take_unreduced(ShardedParam& p, const at::Tensor& grad,
   return flat;
 }
 
+void Runtime::add_into_grad(const at::Tensor& param, const at::Tensor& grad) {
+  at::NoGradGuard no_grad;
+  at::Tensor& current = param.mutable_grad();
+  if (current.defined()) {
+    current.add_(grad);
+  } else {
+    current = grad;
+  }
+}
+
 void Runtime::hold_unreduced(ShardedParam& p, const at::Tensor& grad) {
   SHARC_CHECK(grad.numel() == p.layout.numel, "sharc: gradient of '", p.name, "' has ",
               grad.numel(), " elements, expected ", p.layout.numel);

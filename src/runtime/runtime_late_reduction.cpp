@@ -172,15 +172,9 @@ void Runtime::deliver_late(int64_t token) {
                                                      : at::Tensor(p.read_as_shard->lock()));
     }
   }
-  at::NoGradGuard no_grad;
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (!targets[i].defined()) continue;  // held back, or the parameter is gone
-    at::Tensor& grad = targets[i].mutable_grad();
-    if (grad.defined()) {
-      grad.add_(shards[i]);
-    } else {
-      grad = shards[i];  // in the grad dtype, as autograd would have set it
-    }
+    // Held back, or the parameter is gone: nothing to add.
+    if (targets[i].defined()) add_into_grad(targets[i], shards[i]);
   }
 }
 

@@ -12,6 +12,20 @@ from sharc.data import CharDataset
 from sharc.models.gpt import GPT, GPTConfig
 
 
+class GraphBreakBlock(nn.Module):
+    """A linear layer and a ReLU that end a compiled graph: stacked, a model
+    split by graph breaks into one small graph per block."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = torch.relu(self.fc(x))
+        torch._dynamo.graph_break()
+        return x
+
+
 class ParityGPT(GPT):
     """The GPT with every layout edge case the parity tests must cover:
     an output head tied to the embedding, a head bias of 65 elements (not

@@ -9,19 +9,9 @@ also across eager code between graphs that computes on what they return."""
 import torch
 
 from dist_harness import run_ranks
+from models import GraphBreakBlock as _Block
 
 STEPS = 4
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        x = torch.relu(self.fc(x))
-        torch._dynamo.graph_break()  # each block ends a compiled graph
-        return x
 
 
 class _Broken(torch.nn.Module):

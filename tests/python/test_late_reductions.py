@@ -2,7 +2,8 @@
 graph on the host leaves its reduce-scatter in flight and the shard
 gradients land in .grad at the end of backward (or when too many bytes are
 in flight), matching single-process gradients shard by shard, also when
-they accumulate over two backwards, with each rank on its own data. Where a
+they accumulate over two backwards, with each rank on its own data and
+the batch size changing from step to step. Where a
 late gradient would be wrong the wait stays in the graph: a gradient hook
 or a post-accumulate hook sees the reduced gradient, and autograd.grad
 returns it."""
@@ -11,26 +12,15 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from models import shard_of
+from models import GraphBreakBlock, shard_of
 
 WORLD = 2
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        x = torch.tanh(self.fc(x))
-        torch._dynamo.graph_break()  # each block is a compiled graph of its own
-        return x
 
 
 class _Broken(torch.nn.Module):
     def __init__(self, width, depth):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+        self.blocks = torch.nn.ModuleList(GraphBreakBlock(width) for _ in range(depth))
         self.head = torch.nn.Linear(width, 1)
 
     def forward(self, x, y):
@@ -44,12 +34,18 @@ def _model(width, depth):
     return _Broken(width, depth)
 
 
+def _rows(step):
+    """Rows per rank: the batch size changes from step to step."""
+    return (4, 6, 3)[step % 3]
+
+
 def _batch(step, width, rank=None):
     g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(4 * WORLD, width, generator=g), torch.randn(4 * WORLD, 1, generator=g)
+    n = _rows(step)
+    x, y = torch.randn(n * WORLD, width, generator=g), torch.randn(n * WORLD, 1, generator=g)
     if rank is None:
         return x, y
-    return x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
 def _reference(width, depth, steps, backwards):

@@ -302,6 +302,10 @@ class Runtime : public torch::CustomClassHolder {
   /// Bytes of reductions in flight (their inputs and outputs) that compiled
   /// backward graphs may leave behind them ([Note: late reduction waits]).
   static constexpr int64_t kLateReductionWindowBytes = 4 << 20;
+  /// Adds `grad` into `param`'s .grad outside autograd (sets it when it has
+  /// none), as the engine's accumulation would: the gradients the runtime
+  /// delivers after backward computed them (gather units, late reductions).
+  static void add_into_grad(const at::Tensor& param, const at::Tensor& grad);
   /// Waits every reduction a compiled graph left in flight and adds its
   /// shard gradients into their parameters' .grad, oldest first: the
   /// autograd engine's call at the end of a backward pass that left one.
