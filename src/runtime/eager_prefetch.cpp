@@ -56,7 +56,27 @@ void EagerPrefetch::on_backward_gather(int64_t root, int64_t id) {
 void EagerPrefetch::end_backward(int64_t root) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = roots_.find(root);
-  if (it != roots_.end()) end_pass_locked(it->second.backward);
+  if (it == roots_.end()) return;
+  end_pass_locked(it->second.backward);
+  end_pass_locked(it->second.unit_forward);
+  end_pass_locked(it->second.unit_backward);
+}
+
+void EagerPrefetch::start_unit(int64_t root, int64_t unit, const std::vector<int64_t>& ids,
+                               UnitPass pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = roots_.find(root);
+  if (pass == UnitPass::kPlain || it == roots_.end() || !it->second.enabled) {
+    runtime_.start_gather(ids);
+    return;
+  }
+  GatherOrder& order =
+      pass == UnitPass::kForward ? it->second.unit_forward : it->second.unit_backward;
+  runtime_.give_up_changed_ahead(order);
+  const GatherBucket bucket{ids};
+  apply_locked(order.gather(unit, bucket));
+  runtime_.start_gather(ids);  // unless it was in flight already
+  apply_locked(order.reached(ids));
 }
 
 void EagerPrefetch::read_locked(GatherOrder& order, int64_t step, int64_t id) {

@@ -9,6 +9,7 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "sharc/core/error.h"
 #include "sharc/runtime/runtime.h"
@@ -183,12 +184,20 @@ void EagerScope::release_backward_hold(int64_t root, int64_t id) {
 // -- gather units -----------------------------------------------------------
 
 void EagerScope::enter_unit(int64_t root, int64_t unit) {
+  // A forward recomputed in backward (checkpointing) is not the forward
+  // pass the unit order follows.
+  const bool recomputed = torch::autograd::get_current_graph_task_id() != -1;
+  gather_unit(root, unit, recomputed ? EagerPrefetch::UnitPass::kPlain
+                                     : EagerPrefetch::UnitPass::kForward);
+}
+
+void EagerScope::gather_unit(int64_t root, int64_t unit, EagerPrefetch::UnitPass pass) {
   std::vector<int64_t> ids;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ids = root_locked(root).units.at(static_cast<size_t>(unit)).ids;
   }
-  runtime_.start_gather(ids);
+  runtime_.eager_prefetch().start_unit(root, unit, ids, pass);
   runtime_.wait_gather(ids);
 }
 
@@ -207,7 +216,8 @@ void EagerScope::unit_backward(int64_t root, int64_t unit) {
     const std::vector<int64_t>& reached = root_locked(root).units_in_backward;
     if (std::find(reached.begin(), reached.end(), unit) != reached.end()) return;
   }
-  enter_unit(root, unit);  // gathered whole, at the same point on every rank
+  // Gathered whole, at the same point on every rank.
+  gather_unit(root, unit, EagerPrefetch::UnitPass::kBackward);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     root_locked(root).units_in_backward.push_back(unit);
@@ -216,18 +226,24 @@ void EagerScope::unit_backward(int64_t root, int64_t unit) {
   runtime_.queue_end_of_backward();
 }
 
-void EagerScope::reduce_unit(const Unit& unit) {
+EagerScope::UnitReduction EagerScope::start_unit_reduction(const Unit& unit) {
   std::vector<int64_t> ids;
-  std::vector<at::Tensor> shards;
+  UnitReduction reduction;
   for (size_t i = 0; i < unit.ids.size(); ++i) {
     at::Tensor shard(unit.shards[i].lock());
     if (!shard.defined() || !shard.requires_grad()) continue;  // gone, or frozen
     ids.push_back(unit.ids[i]);
-    shards.push_back(shard);
+    reduction.shards.push_back(shard);
   }
-  if (ids.empty()) return;
-  std::vector<at::Tensor> grads = runtime_.flush_unit(ids);
-  for (size_t i = 0; i < ids.size(); ++i) Runtime::add_into_grad(shards[i], grads[i]);
+  if (!ids.empty()) reduction.token = runtime_.start_flush_unit(ids);
+  return reduction;
+}
+
+void EagerScope::finish_unit_reduction(UnitReduction& reduction) {
+  if (reduction.token < 0) return;
+  std::vector<at::Tensor> grads = runtime_.wait_reduce_scatter(reduction.token);
+  for (size_t i = 0; i < grads.size(); ++i) Runtime::add_into_grad(reduction.shards[i], grads[i]);
+  reduction = UnitReduction{};
 }
 
 void EagerScope::end_backward() {
@@ -247,9 +263,17 @@ void EagerScope::end_backward() {
       for (int64_t unit : units) reached.push_back(r.units.at(static_cast<size_t>(unit)));
       held = r.backward.drop_all();
     }
-    for (const Unit& unit : reached) {  // in the same order on every rank
-      reduce_unit(unit);
-      for (int64_t id : unit.ids) let_go(root, id);
+    // In the same order on every rank, one collective per unit, each
+    // started before the one before it is waited for: two in flight at
+    // most (their buckets are what it costs), not one wait per unit.
+    UnitReduction in_flight;
+    for (size_t i = 0; i <= reached.size(); ++i) {
+      UnitReduction next = i < reached.size() ? start_unit_reduction(reached[i]) : UnitReduction{};
+      if (i > 0) {
+        finish_unit_reduction(in_flight);
+        for (int64_t id : reached[i - 1].ids) let_go(root, id);
+      }
+      in_flight = std::move(next);
     }
     for (int64_t id : held) let_go(root, id);
     runtime_.eager_prefetch().end_backward(root);

@@ -885,25 +885,25 @@ bool Runtime::reduction_deferred(int64_t id) {
 
 std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
   RECORD_FUNCTION("sharc::flush_unit", std::vector<c10::IValue>());
+  return wait_reduce_scatter(start_flush_unit(ids));
+}
+
+int64_t Runtime::start_flush_unit(const std::vector<int64_t>& ids) {
   SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");
-  int64_t token = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    // What backward held back, taken over as it is; zeros where nothing was.
-    std::vector<at::Tensor> grads;
-    for (int64_t id : ids) {
-      ShardedParam& p = param(id);
-      if (p.unreduced.defined()) {
-        accounting_.on_unreduced(-static_cast<int64_t>(p.unreduced.nbytes()));
-        grads.push_back(std::move(p.unreduced));
-        p.unreduced = at::Tensor();
-      } else {
-        grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.spec.reduce_dtype)));
-      }
+  std::lock_guard<std::mutex> lock(mutex_);
+  // What backward held back, taken over as it is; zeros where nothing was.
+  std::vector<at::Tensor> grads;
+  for (int64_t id : ids) {
+    ShardedParam& p = param(id);
+    if (p.unreduced.defined()) {
+      accounting_.on_unreduced(-static_cast<int64_t>(p.unreduced.nbytes()));
+      grads.push_back(std::move(p.unreduced));
+      p.unreduced = at::Tensor();
+    } else {
+      grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.spec.reduce_dtype)));
     }
-    token = start_reduce_scatter_locked(ids, grads, std::vector<bool>(ids.size(), false));
   }
-  return wait_reduce_scatter(token);
+  return start_reduce_scatter_locked(ids, grads, std::vector<bool>(ids.size(), false));
 }
 
 at::Tensor Runtime::hand_out(ShardedParam& p) {

@@ -162,17 +162,26 @@ std::optional<int64_t> Runtime::bytes_to_start_ahead_locked(const std::vector<in
 // that wants those parameters gathers them anew.
 void Runtime::give_up_changed_ahead_locked() {
   for (GatherOrder* order : {&forward_graphs_, &backward_graphs_}) {
-    for (int64_t id : order->ahead()) {
-      const ShardedParam& p = param(id);
-      const ParamState s = p.state.state();
-      const bool ours = s == ParamState::Gathering || (s == ParamState::Gathered &&
-                                                       p.state.holds() == 0);
-      if (ours && p.shard._version() != p.gathered_version) {
-        drop_unheld_locked(order->give_up_ahead());
-        break;
-      }
+    give_up_changed_ahead_locked(*order);
+  }
+}
+
+void Runtime::give_up_changed_ahead_locked(GatherOrder& order) {
+  for (int64_t id : order.ahead()) {
+    const ShardedParam& p = param(id);
+    const ParamState s = p.state.state();
+    const bool ours = s == ParamState::Gathering || (s == ParamState::Gathered &&
+                                                     p.state.holds() == 0);
+    if (ours && p.shard._version() != p.gathered_version) {
+      drop_unheld_locked(order.give_up_ahead());
+      return;
     }
   }
+}
+
+void Runtime::give_up_changed_ahead(GatherOrder& order) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  give_up_changed_ahead_locked(order);
 }
 
 // The backward pass's end is a point every rank reaches alike: what a

@@ -19,6 +19,21 @@
 // Python reports events only: a module's forward begins or ends, backward
 // gathers a parameter again, backward ended. The forward's own reads reach
 // here from the gather operator itself.
+//
+// [Note: gather units ahead]
+// A gather unit (ShardConfig.gather_units) is gathered whole when its
+// forward begins and again when the gradient of its output arrives, points
+// every rank reaches alike, so its members stay out of the orders above.
+// Units keep orders of their own, one per kind of pass, whose steps are
+// units: gathering a unit starts the unit that followed it last pass, so
+// the next unit's collective runs under the code between the two (on a
+// model whose graphs break at every unit, that is the only overlap its
+// unit gathers get). One unit ahead at most, as one module ahead above.
+// Both passes end at the end of backward, where a unit gathered ahead
+// and not entered is freed; a unit started before its shards changed (an
+// optimizer step after a forward that stopped early) is given up before
+// anything of its order is used. A forward recomputed inside backward
+// (activation checkpointing) gathers its units without the order.
 
 #include <cstdint>
 #include <map>
@@ -47,12 +62,20 @@ class EagerPrefetch {
   void on_backward_gather(int64_t root, int64_t id);
   /// The backward pass of `root` ended.
   void end_backward(int64_t root);
+  /// Gather unit `unit` of `root` (its parameters `ids`) is gathered for
+  /// its forward, for its backward, or (kPlain) outside both orders:
+  /// starts its gather unless in flight, and the unit after it ahead. See
+  /// [Note: gather units ahead].
+  enum class UnitPass { kForward, kBackward, kPlain };
+  void start_unit(int64_t root, int64_t unit, const std::vector<int64_t>& ids, UnitPass pass);
 
  private:
   struct Root {
     bool enabled = true;
     GatherOrder forward;
     GatherOrder backward;
+    GatherOrder unit_forward;   ///< steps are gather units
+    GatherOrder unit_backward;
   };
   /// `id` is read in step `step` of `order`'s pass: both of its events.
   void read_locked(GatherOrder& order, int64_t step, int64_t id);

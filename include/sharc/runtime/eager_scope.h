@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "sharc/core/eager_holds.h"
+#include "sharc/runtime/eager_prefetch.h"
 
 namespace c10 {
 struct StorageImpl;
@@ -113,8 +114,18 @@ class EagerScope {
   void note_backward_locked(int64_t root);
   /// Drops one hold (see let_go in eager_scope.cpp).
   void let_go(int64_t root, int64_t id);
-  /// Blocking: reduces what the unit's backward held back into its shards' grads.
-  void reduce_unit(const Unit& unit);
+  /// Gathers unit `unit` whole (one hold on each member), after starting
+  /// it and the unit ahead of it in `pass`'s order (EagerPrefetch).
+  void gather_unit(int64_t root, int64_t unit, EagerPrefetch::UnitPass pass);
+  /// A unit's reduction in flight: its shards (for their grads) and token.
+  struct UnitReduction {
+    std::vector<at::Tensor> shards;
+    int64_t token = -1;  ///< -1: nothing to reduce (every member frozen or gone)
+  };
+  /// Starts reducing what the unit's backward held back; finish_unit_reduction
+  /// waits for it and adds it into its shards' grads.
+  UnitReduction start_unit_reduction(const Unit& unit);
+  void finish_unit_reduction(UnitReduction& reduction);
   /// The parameter got a fresh base buffer: key it by the new storage.
   void rekey_locked(int64_t root, int64_t id);
 

@@ -359,6 +359,10 @@ class Runtime : public torch::CustomClassHolder {
   /// routed-away expert), so that every rank issues the same collective.
   /// Returns each flat shard gradient, averaged, in its reduce dtype.
   std::vector<at::Tensor> flush_unit(const std::vector<int64_t>& ids);
+  /// flush_unit's collective, started: wait_reduce_scatter(token) returns
+  /// its shard gradients (so a unit's reduction can be in flight while the
+  /// next one starts).
+  int64_t start_flush_unit(const std::vector<int64_t>& ids);
 
   /// Every collective carries each rank's header and is settled when it
   /// completes (see [Note: collective agreement]): ranks that issue
@@ -388,6 +392,10 @@ class Runtime : public torch::CustomClassHolder {
   /// for a use that did not come. Others are left alone. Returns those
   /// freed. Does not communicate (beyond finishing a collective in flight).
   std::vector<int64_t> drop_unheld(const std::vector<int64_t>& ids);
+  /// Gives up (and frees) what `order` gathered ahead if a shard of it
+  /// changed since its gather started (an optimizer step between two
+  /// passes): it would serve old values.
+  void give_up_changed_ahead(GatherOrder& order);
 
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
@@ -513,6 +521,7 @@ class Runtime : public torch::CustomClassHolder {
   /// Gives up what each graph order gathered ahead if a shard of it
   /// changed since.
   void give_up_changed_ahead_locked();
+  void give_up_changed_ahead_locked(GatherOrder& order);
   /// Queues end_backward_pass() with the autograd engine, once a pass.
   void queue_end_of_backward_locked();
   /// drop_unheld() with the lock held.
