@@ -72,8 +72,9 @@ class EagerScope {
   /// the gather's backward ran or backward ends.
   at::Tensor unpack(int64_t root, int64_t id);
 
-  /// A gather unit's forward begins (blocking: one bucketed all-gather, one
-  /// hold on each of its parameters), and ends (the holds dropped).
+  /// A gather unit's forward begins (blocking: one bucketed all-gather,
+  /// unless started ahead, and one hold on each of its parameters), and
+  /// ends (the holds dropped).
   void enter_unit(int64_t root, int64_t unit);
   void exit_unit(int64_t root, int64_t unit);
   /// The gradient of a unit's output arrived: the unit is gathered whole
@@ -85,8 +86,8 @@ class EagerScope {
   void release_backward_hold(int64_t root, int64_t id);
 
   /// The backward pass ended (the runtime's end-of-backward callback):
-  /// reduces the units (blocking collectives, in the same order on every
-  /// rank), drops every backward hold and ends the eager prefetch's pass
+  /// reduces the units (a collective each, in the same order on every
+  /// rank, the next started before the last is waited for), drops every backward hold and ends the eager prefetch's pass
   /// for each root that gathered for backward.
   void end_backward();
 
