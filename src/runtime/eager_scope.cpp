@@ -235,7 +235,7 @@ EagerScope::UnitReduction EagerScope::start_unit_reduction(const Unit& unit) {
     ids.push_back(unit.ids[i]);
     reduction.shards.push_back(shard);
   }
-  if (!ids.empty()) reduction.token = runtime_.start_flush_unit(ids);
+  if (!ids.empty()) reduction.token = runtime_.flush_unit(ids);
   return reduction;
 }
 

@@ -890,12 +890,8 @@ bool Runtime::reduction_deferred(int64_t id) {
   return param(id).deferred;
 }
 
-std::vector<at::Tensor> Runtime::flush_unit(const std::vector<int64_t>& ids) {
+int64_t Runtime::flush_unit(const std::vector<int64_t>& ids) {
   RECORD_FUNCTION("sharc::flush_unit", std::vector<c10::IValue>());
-  return wait_reduce_scatter(start_flush_unit(ids));
-}
-
-int64_t Runtime::start_flush_unit(const std::vector<int64_t>& ids) {
   SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");
   std::lock_guard<std::mutex> lock(mutex_);
   // What backward held back, taken over as it is; zeros where nothing was.

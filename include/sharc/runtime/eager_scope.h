@@ -87,8 +87,9 @@ class EagerScope {
 
   /// The backward pass ended (the runtime's end-of-backward callback):
   /// reduces the units (a collective each, in the same order on every
-  /// rank, the next started before the last is waited for), drops every backward hold and ends the eager prefetch's pass
-  /// for each root that gathered for backward.
+  /// rank, the next started before the last is waited for), drops every
+  /// backward hold and ends the eager prefetch's pass for each root that
+  /// gathered for backward.
   void end_backward();
 
  private:

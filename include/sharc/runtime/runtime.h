@@ -354,15 +354,12 @@ class Runtime : public torch::CustomClassHolder {
   void set_deferred_reduction(int64_t id, bool deferred);
   /// Whether `id`'s gradients are held back for its gather unit.
   bool reduction_deferred(int64_t id);
-  /// Blocking: one reduce-scatter of every parameter of a unit, of what its
+  /// Starts one reduce-scatter of every parameter of a unit, of what its
   /// backward held back or zeros where this rank produced no gradient (a
   /// routed-away expert), so that every rank issues the same collective.
-  /// Returns each flat shard gradient, averaged, in its reduce dtype.
-  std::vector<at::Tensor> flush_unit(const std::vector<int64_t>& ids);
-  /// flush_unit's collective, started: wait_reduce_scatter(token) returns
-  /// its shard gradients (so a unit's reduction can be in flight while the
-  /// next one starts).
-  int64_t start_flush_unit(const std::vector<int64_t>& ids);
+  /// wait_reduce_scatter(token) returns each flat shard gradient,
+  /// averaged, in its reduce dtype.
+  int64_t flush_unit(const std::vector<int64_t>& ids);
 
   /// Every collective carries each rank's header and is settled when it
   /// completes (see [Note: collective agreement]): ranks that issue
