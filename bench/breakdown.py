@@ -3,6 +3,7 @@ the timeline model predicted it.
 
     .venv/bin/python bench/breakdown.py                # every model, 2 gloo ranks
     .venv/bin/python bench/breakdown.py --size small   # one
+    .venv/bin/python bench/breakdown.py --size switch --ops  # and per op
 
 The model is compiled with backend="sharc" (default options) and trained
 for a few warm-up steps, then `--steps` steps run under torch.profiler.
@@ -84,6 +85,9 @@ def _measure(size: str, args) -> None:
             step(args.warmup + i)
     stats = sharc.memory_stats(group)
     measured = _split(prof.events(), stats, args.steps)
+    if args.ops and rank == 0:
+        print(f"\n{size}: sharc's ops and what runs inside them (rank 0, per step)\n"
+              f"{_ops_table(prof.events(), args.steps)}")
     predicted = _predict(dump, group.group_name) if rank == 0 else {}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, measured)
@@ -130,6 +134,34 @@ def _split(events, stats: dict, steps: int) -> dict:
         "Python between graphs": step - graphs - optimizer - (sharc_all - sharc_in_graphs),
         "graph calls": sum(1 for e in events if is_graph(e)) / steps,
     }
+
+
+def _ops_table(events, steps: int, inside_rows: int = 20) -> str:
+    """sharc's ops by total time, then the operators directly inside them:
+    where "runtime and dispatch" and "bucket copies" go (a masked fill over
+    every reduced bucket and one blocking collective per gather unit were
+    found so)."""
+    ops, inside = {}, {}
+    for e in events:
+        parent = e.cpu_parent
+        nested = parent is not None and parent.name == e.name  # the op's own record inside
+        if e.name.startswith("sharc::") and not nested:
+            row = ops.setdefault(e.name, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += e.cpu_time_total / 1e3 / steps
+            row[2] += e.self_cpu_time_total / 1e3 / steps
+        if parent is not None and parent.name.startswith("sharc::") and e.name != parent.name:
+            row = inside.setdefault((parent.name, e.name), [0, 0.0])
+            row[0] += 1
+            row[1] += e.cpu_time_total / 1e3 / steps
+    rows = [{"op": name, "inside": "", "calls_per_step": round(n / steps, 1),
+             "total_ms": round(total, 2), "self_ms": round(own, 2)}
+            for name, (n, total, own) in sorted(ops.items(), key=lambda kv: -kv[1][1])]
+    rows += [{"op": parent, "inside": name, "calls_per_step": round(n / steps, 1),
+              "total_ms": round(total, 2), "self_ms": ""}
+             for (parent, name), (n, total) in
+             sorted(inside.items(), key=lambda kv: -kv[1][1])[:inside_rows]]
+    return markdown(rows, ["op", "inside", "calls_per_step", "total_ms", "self_ms"])
 
 
 def _predict(dump: str, group_name: str) -> dict:
@@ -181,6 +213,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--ops", action="store_true",
+                        help="also print sharc's ops and the operators inside them")
     args = parser.parse_args()
     start = time.perf_counter()
     launch(_rank_main, args.nproc, args=(args,))
