@@ -132,14 +132,21 @@ ALL_BUT_THE_FIRST_AHEAD = [(0, False), (1, True), (2, True), ("bw0", True), ("bw
 DETOURS = ["train", "train", "fail", "scale", "train", "eval", "train", "train"]
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_units_after_the_first_are_gathered_ahead_and_training_is_unchanged(mode):
-    on = run_ranks(_train, 2, mode, True, TRAIN)
-    off = run_ranks(_train, 2, mode, False, TRAIN)
+def _trained_alike(mode, plan):
+    """Each rank's run with prefetch on and off, checked bitwise equal."""
+    on = run_ranks(_train, 2, mode, True, plan)
+    off = run_ranks(_train, 2, mode, False, plan)
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"]
         for name in a["params"]:
             assert torch.equal(a["params"][name], b["params"][name]), name
+    return on, off
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_units_after_the_first_are_gathered_ahead_and_training_is_unchanged(mode):
+    on, off = _trained_alike(mode, TRAIN)
+    for a, b in zip(on, off):
         # Started earlier, not more often (eager prefetch also buckets the
         # other modules, hence fewer with it on).
         assert len(set(a["calls"][1:])) == 1 and a["calls"][1] <= b["calls"][1]
@@ -152,11 +159,6 @@ def test_units_after_the_first_are_gathered_ahead_and_training_is_unchanged(mode
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_a_failed_forward_a_shard_write_and_an_eval_forward_change_nothing(mode):
-    on = run_ranks(_train, 2, mode, True, DETOURS)
-    off = run_ranks(_train, 2, mode, False, DETOURS)
-    for a, b in zip(on, off):
-        assert a["losses"] == b["losses"]
-        for name in a["params"]:
-            assert torch.equal(a["params"][name], b["params"][name]), name
+    on, _ = _trained_alike(mode, DETOURS)
     # Ahead again once a whole step ran after the detours.
     assert on[0]["ahead"][-1] == ALL_BUT_THE_FIRST_AHEAD
