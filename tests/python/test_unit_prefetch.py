@@ -14,6 +14,7 @@ import torch.nn as nn
 from dist_harness import run_ranks
 
 WIDTH, EXPERTS, LAYERS = 8, 3, 3  # Net.forward calls LAYERS layers
+UNITS = tuple(f"layers.{i}" for i in range(LAYERS))
 
 
 class MoE(nn.Module):
@@ -89,8 +90,7 @@ def _train(rank, world, mode, prefetch, plan):
 
     torch.manual_seed(0)
     model = Net()
-    sharc.shard(model, config=sharc.ShardConfig(gather_units=tuple(f"layers.{i}" for i in range(LAYERS)),
-                                                eager_prefetch=prefetch))
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS, eager_prefetch=prefetch))
     seen = []
     _watch_units(model, sharded_root(model), seen)
     step_fn = torch.compile(model, backend="sharc") if mode == "compiled" else model
