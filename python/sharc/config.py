@@ -49,7 +49,10 @@ class ShardConfig:
     the next module's (in the previous step's order) right behind it, in
     forward and in backward. Costs up to two modules' gathered parameters
     (and a bucket's staging) instead of one parameter at a time; see
-    include/sharc/core/gather_order.h (the runtime decides)."""
+    include/sharc/core/gather_order.h (the runtime decides). Gather units
+    are gathered one unit ahead the same way, compiled or not (their hooks
+    run eagerly): see [Note: gather units ahead] in
+    include/sharc/runtime/eager_prefetch.h."""
 
     eager_reduce_bucket_bytes: int = 4 << 20
     """Outside compiled graphs, gradients are reduce-scattered
