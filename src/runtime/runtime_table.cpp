@@ -5,8 +5,16 @@
 namespace sharc {
 
 RuntimeTable& RuntimeTable::instance() {
-  static RuntimeTable table;
-  return table;
+  // Never destroyed. A Runtime holds device state: CUDA tensors, pinned
+  // header buffers, events and the works of collectives still in flight
+  // (gathers started ahead for the next step). A table destroyed with the
+  // process's static objects would free them after CUDA, its host allocator
+  // or the backend may already be torn down, and a process that trained on
+  // a GPU and exited normally died in that teardown (SIGSEGV after its last
+  // line, seen on an H200). Runtimes whose group is destroyed still go in
+  // forget_destroyed_locked(), while everything they use is alive.
+  static auto* const table = new RuntimeTable();
+  return *table;
 }
 
 c10::intrusive_ptr<Runtime> RuntimeTable::get_or_create(const std::string& group_name) {

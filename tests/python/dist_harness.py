@@ -2,7 +2,8 @@
 rank's result, re-raising the first rank's error with its traceback.
 
 A rank that neither returns nor fails within `timeout` seconds fails the test
-(all ranks are killed), so a hang never stalls the suite.
+(all ranks are killed), so a hang never stalls the suite; so does a rank that
+returns and then does not exit with status 0.
 """
 
 from __future__ import annotations
@@ -73,12 +74,29 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, init_group: bool
             pipes.append(parent)
             procs.append(p)
         try:
-            return _collect(pipes, procs, timeout)
+            results = _collect(pipes, procs, timeout)
+            _check_exits(procs)
+            return results
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+
+def _check_exits(procs, grace_s: float = 60.0):
+    """Every rank that returned a result must also exit, with status 0: a
+    crash while tearing down (destroy_process_group, the interpreter's exit)
+    happens after the result is out and would otherwise pass unseen."""
+    deadline = time.monotonic() + grace_s
+    for rank, proc in enumerate(procs):
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            raise RankFailure(f"rank {rank} returned its result but did not exit within "
+                              f"{grace_s:.0f}s (stuck tearing down)")
+        if proc.exitcode != 0:
+            raise RankFailure(f"rank {rank} returned its result, then exited with status "
+                              f"{proc.exitcode} (a negative status is the signal that ended it)")
 
 
 def _collect(pipes, procs, timeout):

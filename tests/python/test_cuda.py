@@ -15,6 +15,9 @@ process group of world size 1:
 - a bf16 gather is bitwise the cast shard, gathered;
 - the default memory budget on CUDA is an eighth of the free memory the
   ranks agree on;
+a process that trained compiled on the GPU exits with status 0, with and
+without destroy_process_group() (a crash in teardown after the last line
+would otherwise pass unseen: the figures are already out);
 and with 2 gloo ranks sharing the one GPU (NCCL refuses two ranks on one
 device), sharded eager training over CUDA tensors matches unsharded
 training; a collective gloo cannot run on CUDA tensors is named.
@@ -319,9 +322,53 @@ def test_two_gloo_ranks_on_one_gpu_match_unsharded():
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
 
 
+def _exit_job(destroy: bool) -> None:
+    """In a fresh interpreter: a compiled GPT under bf16 autocast, AdamW and
+    NCCL at world size 1 (the benchmark's ingredients, small), a few steps,
+    then a normal exit. Gathers may be in flight for a next step."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import sharc
+    from sharc.models.gpt import GPT, GPTConfig
+
+    init_file = os.path.join(tempfile.mkdtemp(prefix="sharc_exit_job_"), "init")
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=2, n_embd=64)).cuda()
+    sharc.shard(model)
+    step_fn = torch.compile(model, backend="sharc")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
+    x = torch.randint(0, 128, (2, 64), device="cuda")
+    for _ in range(4):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = step_fn(x)
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    print("exit job: trained")
+    if destroy:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("destroy", [True, False], ids=["destroy_group", "keep_group"])
+def test_a_process_that_trained_compiled_exits_zero(destroy):
+    out = subprocess.run([sys.executable, __file__, "--exit-job", "destroy" if destroy else "keep"],
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
+                         text=True, timeout=600)
+    assert "exit job: trained" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, (f"exit status {out.returncode} after training\n"
+                                 f"{out.stdout[-2000:]}{out.stderr[-4000:]}")
+
+
 def _main() -> int:
     """Without pytest: `--print-losses` prints one compiled run's losses (for
     the launch-blocking test); otherwise every test runs and is reported."""
+    if "--exit-job" in sys.argv:
+        _exit_job(sys.argv[-1] == "destroy")
+        return 0
     if "--print-losses" in sys.argv:
         [(losses, _)] = run_ranks(_train, 1, "compiled", True, backend="nccl", timeout=600)
         print(" ".join(v.hex() for v in losses))
@@ -336,7 +383,9 @@ def _main() -> int:
              (test_release_waits_for_the_last_reading_kernel, ()),
              (test_bf16_gather_is_the_cast_shard_gathered, ()),
              (test_default_budget_is_an_eighth_of_agreed_free_memory_rounded_down_to_a_power_of_two, ()),
-             (test_two_gloo_ranks_on_one_gpu_match_unsharded, ())]
+             (test_two_gloo_ranks_on_one_gpu_match_unsharded, ()),
+             (test_a_process_that_trained_compiled_exits_zero, (True,)),
+             (test_a_process_that_trained_compiled_exits_zero, (False,))]
     for test, args in cases:
         try:
             test(*args)
