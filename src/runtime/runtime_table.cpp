@@ -9,10 +9,11 @@ RuntimeTable& RuntimeTable::instance() {
   // header buffers, events and the works of collectives still in flight
   // (gathers started ahead for the next step). A table destroyed with the
   // process's static objects would free them after CUDA, its host allocator
-  // or the backend may already be torn down, and a process that trained on
-  // a GPU and exited normally died in that teardown (SIGSEGV after its last
-  // line, seen on an H200). Runtimes whose group is destroyed still go in
-  // forget_destroyed_locked(), while everything they use is alive.
+  // or the backend may already be torn down: a process that trained on a
+  // GPU and exited normally died in that teardown, after its last line
+  // (seen on an H200: SIGSEGV, or an abort on "CUDA error: context is
+  // destroyed"). Runtimes whose group was destroyed still go when the
+  // table next creates one (forget_destroyed_locked), while all is alive.
   static auto* const table = new RuntimeTable();
   return *table;
 }
