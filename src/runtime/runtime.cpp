@@ -305,6 +305,7 @@ at::Tensor Runtime::input_for_gather(const GatherInFlight& gather, c10::ScalarTy
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
   RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
+  if (gather.work && gather.on_cpu) settle_before_locked(gather.seq);  // [Note: settle in order]
   if (gather.work) {
     accounting_.on_gather_wait(timed_wait(*gather.work));
     if (gather.on_cpu) release_waited(gather.work);  // frees the (cast) shard sent here
@@ -670,6 +671,8 @@ void Runtime::finish_reduce_scatter(int64_t token) {
                 " in group '", comm_.group_name(), "' was waited on already; each reduction "
                 "is waited on once");
     work = it->second.work;
+    // [Note: settle in order]: this wait blocks the host.
+    if (work && it->second.wire.is_cpu()) settle_before_locked(it->second.seq);
   }
   if (!work) return;  // finished already (start_replicate_all_reduce), or nothing sent
   const int64_t ns = timed_wait(*work);  // outside the lock: backward runs on

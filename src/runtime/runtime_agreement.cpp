@@ -2,6 +2,8 @@
 // agreement] in sharc/core/collective_agreement.h): planning each one with
 // the other ranks, settling it when it completes, and the errors.
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
@@ -50,6 +52,10 @@ CollectiveAgreement::Issue Runtime::agree_locked(Collective kind, const std::vec
   auto issue = agreement_.plan(fingerprint, shape, kind, static_cast<int64_t>(ids.size()),
                                ids[0], verify_schedule_);
   if (issue.plan != CollectiveAgreement::Plan::kDirect) accounting_.on_agreement_call();
+  // Each of these blocks this rank until every rank joins it.
+  if (issue.plan != CollectiveAgreement::Plan::kDirect || kind == kFullRead) {
+    settle_before_locked(issue.seq);
+  }
   switch (issue.plan) {
     case CollectiveAgreement::Plan::kExchange:
       exchange_headers_locked(issue.header, ids, device);
@@ -82,6 +88,38 @@ void Runtime::settle_locked(int64_t seq) {
     settle_reduction_locked(it->second);
   }
   settle_arriving_locked(seq);
+}
+
+// [Note: settle in order]
+// Up to kLag collectives may be in flight unsettled, and a rank need not
+// wait on them in the order it issued them (a gather started ahead is
+// waited on when its module runs). If the ranks diverged at collective m,
+// a rank that judges m raises there and issues nothing more; a rank that
+// meanwhile blocks on a later collective (a decoy, a header exchange, a
+// host wait on m + 1) would wait for a partner that has left, and end on
+// the backend's error or timeout instead of the divergence. So before
+// blocking on collective `seq`, a rank settles every earlier one: each
+// verdict is then reached, on every rank, before any rank can block past
+// it. On the host a collective's wait blocks, so host waits do this too;
+// on a device a wait only orders streams, and headers settle on arrival.
+void Runtime::settle_before_locked(int64_t seq) {
+  std::vector<int64_t> earlier;
+  for (const auto& entry : unsettled_gathers_) {
+    if (entry.first < seq) earlier.push_back(entry.first);
+  }
+  for (const auto& entry : unsettled_reductions_) {
+    if (entry.first < seq) earlier.push_back(entry.first);
+  }
+  for (const auto& entry : arriving_) {
+    if (entry.first < seq) earlier.push_back(entry.first);
+  }
+  std::sort(earlier.begin(), earlier.end());
+  earlier.erase(std::unique(earlier.begin(), earlier.end()), earlier.end());
+  for (int64_t s : earlier) {
+    const bool pending = unsettled_gathers_.count(s) || unsettled_reductions_.count(s) ||
+                         arriving_.count(s);
+    if (pending) settle_locked(s);  // an earlier settle may have finished it
+  }
 }
 
 void Runtime::settle_reduction_locked(const PendingReduction& pending) {

@@ -112,6 +112,10 @@ def assert_matches_reference(results, reference, world, rtol=1e-5, atol=1e-6, ke
         # Only what the schedule keeps (keep_gathered, selective unsharding).
         assert r["left"] == r["kept"], f"rank {rank} left bytes gathered: {r['left']}"
         assert min(r["kept"]) >= kept, f"rank {rank} kept {r['kept']}, expected {kept} at least"
-        steady = r["peaks"][2:]
-        assert max(steady, default=0) <= max(r["peaks"][:2]), \
+        # Prefetch learns its orders over the first steps (a schedule that
+        # changes, as after a failed forward, reaches its steady peak at
+        # the third or fourth); a leak grows on, into the second half.
+        learning = max(3, len(r["peaks"]) // 2)
+        steady = r["peaks"][learning:]
+        assert max(steady, default=0) <= max(r["peaks"][:learning]), \
             f"rank {rank}: per-step peak gathered bytes grew: {r['peaks']}"

@@ -101,3 +101,59 @@ def test_a_schedule_run_before_takes_no_collective_beyond_its_own():
             # cover the kLag + context collectives a prediction spans.
             warm = 3 if mode == "eager" else 5
             assert extra[warm:] == [0] * (8 - warm), calls
+
+
+def _diverge_at_a_gather_started_ahead(rank, world, then):
+    """Both ranks start a gather ahead, then block on a later collective
+    before waiting on it; on the last lap rank 1 gathers `b` where rank 0
+    gathers `a` (the same wire shape, so the collectives pair and only
+    their headers show it) and waits on it, while rank 0 goes on to the
+    later collective first: a decoy (`then` "decoy": a gather of a shape
+    unlike the announced one), or one issued as announced whose host wait
+    blocks ("gather", "reduce"): rank 1, having raised, never joins it."""
+    import torch.distributed as dist
+
+    from sharc._library import Runtime
+
+    rt = Runtime.for_group(dist.new_group().group_name)
+    a = rt.register_param(torch.arange(8.0), "a")
+    b = rt.register_param(torch.arange(8.0) + 100, "b")
+    c = rt.register_param(torch.arange(6.0), "c")
+    d = rt.register_param(torch.arange(12.0), "d")
+
+    def later(param):
+        if then == "reduce":
+            rt.reduce_scatter(c, torch.ones(6))
+        else:
+            rt.gather(param)
+            rt.release(param, "free")
+
+    # Laps alike on both ranks, until every collective is announced kLag ahead.
+    for _ in range(8):
+        rt.start_gather([a])
+        later(c)
+        rt.wait_gather([a])
+        rt.release(a, "free")
+    try:
+        if rank == 1:
+            rt.start_gather([b])
+            rt.wait_gather([b])
+        else:
+            rt.start_gather([a])
+            later(d if then == "decoy" else c)
+            rt.wait_gather([a])
+    except Exception as error:  # noqa: BLE001  (the message is the result)
+        return str(error)
+    return None
+
+
+def test_a_rank_judges_a_gather_started_ahead_before_it_blocks_on_a_later_one():
+    # Without that order (see [Note: settle in order]) rank 0 waits for a
+    # collective rank 1 never joins, and ends on gloo's "connection closed"
+    # once rank 1 exits, instead of the divergence.
+    for then in ("decoy", "gather", "reduce"):
+        messages = run_ranks(_diverge_at_a_gather_started_ahead, 2, then, timeout=90)
+        for rank, message in enumerate(messages):
+            assert message is not None, (then, rank)
+            assert "the ranks diverged" in message, (then, rank, message)
+            assert "'a'" in message and "'b'" in message, (then, rank, message)

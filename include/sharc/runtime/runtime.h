@@ -466,6 +466,10 @@ class Runtime : public torch::CustomClassHolder {
                                           const WireShape& shape, c10::Device device);
   /// Settles collective `seq`, finishing it first if it is in flight.
   void settle_locked(int64_t seq);
+  /// Settles, in order, every collective numbered below `seq` that is not
+  /// settled yet, before this rank blocks on `seq` (see [Note: settle in
+  /// order] in runtime_agreement.cpp).
+  void settle_before_locked(int64_t seq);
   /// Whether a collective delivering into `wire` is settled once its
   /// headers arrive (see set_settle_on_arrival).
   bool settles_on_arrival(const at::Tensor& wire) const;
