@@ -305,9 +305,18 @@ at::Tensor Runtime::input_for_gather(const GatherInFlight& gather, c10::ScalarTy
 
 void Runtime::finish_gather_locked(GatherInFlight& gather) {
   RECORD_FUNCTION("sharc::wait_gather", std::vector<c10::IValue>());
-  if (gather.work && gather.on_cpu) settle_before_locked(gather.seq);  // [Note: settle in order]
+  if (gather.work && gather.on_cpu) {
+    settle_before_locked(gather.seq, /*gathers_only=*/true);  // [Note: settle in order]
+  }
   if (gather.work) {
-    accounting_.on_gather_wait(timed_wait(*gather.work));
+    int64_t ns = 0;
+    try {
+      ns = timed_wait(*gather.work);
+    } catch (const std::exception&) {
+      explain_failed_wait_locked(gather.seq);  // [Note: settle in order]
+      throw;
+    }
+    accounting_.on_gather_wait(ns);
     if (gather.on_cpu) release_waited(gather.work);  // frees the (cast) shard sent here
   }
   gather.work.reset();
@@ -672,10 +681,21 @@ void Runtime::finish_reduce_scatter(int64_t token) {
                 "is waited on once");
     work = it->second.work;
     // [Note: settle in order]: this wait blocks the host.
-    if (work && it->second.wire.is_cpu()) settle_before_locked(it->second.seq);
+    if (work && it->second.wire.is_cpu()) {
+      settle_before_locked(it->second.seq, /*gathers_only=*/true);
+    }
   }
   if (!work) return;  // finished already (start_replicate_all_reduce), or nothing sent
-  const int64_t ns = timed_wait(*work);  // outside the lock: backward runs on
+  int64_t ns = 0;
+  try {
+    ns = timed_wait(*work);  // outside the lock: backward runs on
+  } catch (const std::exception&) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto it = reductions_.find(token); it != reductions_.end()) {
+      explain_failed_wait_locked(it->second.seq);  // [Note: settle in order]
+    }
+    throw;
+  }
   work.reset();
   std::lock_guard<std::mutex> lock(mutex_);
   accounting_.on_reduce_wait(ns);

@@ -93,25 +93,34 @@ void Runtime::settle_locked(int64_t seq) {
 // [Note: settle in order]
 // Up to kLag collectives may be in flight unsettled, and a rank need not
 // wait on them in the order it issued them (a gather started ahead is
-// waited on when its module runs). If the ranks diverged at collective m,
-// a rank that judges m raises there and issues nothing more; a rank that
-// meanwhile blocks on a later collective (a decoy, a header exchange, a
-// host wait on m + 1) would wait for a partner that has left, and end on
-// the backend's error or timeout instead of the divergence. So before
-// blocking on collective `seq`, a rank settles every earlier one: each
-// verdict is then reached, on every rank, before any rank can block past
-// it. On the host a collective's wait blocks, so host waits do this too;
-// on a device a wait only orders streams, and headers settle on arrival.
-void Runtime::settle_before_locked(int64_t seq) {
+// waited on when its module or graph runs). If the ranks diverged at
+// collective m, a rank that judges m raises there and issues nothing more;
+// a rank that meanwhile blocks on a later collective (a decoy, a header
+// exchange, a host wait on m + 1) would wait for a partner that has left,
+// and end on the backend's error or timeout instead of the divergence. So
+// before a decoy, an exchange or a full read (rare: where the schedule
+// changes) a rank settles every earlier collective, and before a host wait
+// every earlier gather: those are what ranks wait on out of order (started
+// ahead), and they are waited on in order anyway, so that costs nothing.
+// Earlier reductions are not waited for there: a compiled backward leaves
+// them in flight until the end of backward, and waiting for them at each
+// gather measurably slowed the GPT (4% a step). Instead, when a host wait
+// fails (the rank that raised has left, and the backend says so), the
+// earlier reductions that completed are settled before the backend's
+// error goes up, so a divergence among them is what this rank reports.
+// On a device a wait only orders streams, and headers settle on arrival.
+void Runtime::settle_before_locked(int64_t seq, bool gathers_only) {
   std::vector<int64_t> earlier;
   for (const auto& entry : unsettled_gathers_) {
     if (entry.first < seq) earlier.push_back(entry.first);
   }
-  for (const auto& entry : unsettled_reductions_) {
-    if (entry.first < seq) earlier.push_back(entry.first);
-  }
-  for (const auto& entry : arriving_) {
-    if (entry.first < seq) earlier.push_back(entry.first);
+  if (!gathers_only) {
+    for (const auto& entry : unsettled_reductions_) {
+      if (entry.first < seq) earlier.push_back(entry.first);
+    }
+    for (const auto& entry : arriving_) {
+      if (entry.first < seq) earlier.push_back(entry.first);
+    }
   }
   std::sort(earlier.begin(), earlier.end());
   earlier.erase(std::unique(earlier.begin(), earlier.end()), earlier.end());
@@ -119,6 +128,18 @@ void Runtime::settle_before_locked(int64_t seq) {
     const bool pending = unsettled_gathers_.count(s) || unsettled_reductions_.count(s) ||
                          arriving_.count(s);
     if (pending) settle_locked(s);  // an earlier settle may have finished it
+  }
+}
+
+void Runtime::explain_failed_wait_locked(int64_t seq) {
+  const std::map<int64_t, int64_t> earlier(unsettled_reductions_.begin(),
+                                           unsettled_reductions_.lower_bound(seq));
+  for (const auto& [s, token] : earlier) {
+    auto it = reductions_.find(token);
+    if (it == reductions_.end() || !it->second.work) continue;
+    const auto& work = it->second.work;
+    if (!work->isCompleted() || work->exception()) continue;
+    settle_reduction_locked(it->second);  // throws where the ranks diverged
   }
 }
 

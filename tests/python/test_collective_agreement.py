@@ -157,3 +157,41 @@ def test_a_rank_judges_a_gather_started_ahead_before_it_blocks_on_a_later_one():
             assert message is not None, (then, rank)
             assert "the ranks diverged" in message, (then, rank, message)
             assert "'a'" in message and "'b'" in message, (then, rank, message)
+
+
+def _diverge_at_a_reduction_left_in_flight(rank, world):
+    """As above with a reduction left in flight (as a compiled backward
+    leaves them until the end of backward): on the last lap rank 1 reduces
+    `b`'s gradient where rank 0 reduces `a`'s, waits on it and raises;
+    rank 0 first blocks on a later gather, which fails when rank 1 leaves."""
+    import torch.distributed as dist
+
+    from sharc._library import Runtime
+
+    group = dist.new_group().group_name
+    rt = Runtime.for_group(group)
+    a = rt.register_param(torch.arange(8.0), "a")
+    b = rt.register_param(torch.arange(8.0) + 100, "b")
+    c = rt.register_param(torch.arange(6.0), "c")
+    reduce = torch.ops.sharc
+
+    for _ in range(8):
+        token = reduce.start_reduce_scatter([torch.ones(8)], group, [a])
+        rt.gather(c)
+        rt.release(c, "free")
+        reduce.wait_reduce_scatter(token, group, [a])
+    mine = b if rank == 1 else a
+    token = reduce.start_reduce_scatter([torch.ones(8)], group, [mine])
+    try:
+        if rank == 0:
+            rt.gather(c)
+        reduce.wait_reduce_scatter(token, group, [mine])
+    except Exception as error:  # noqa: BLE001  (the message is the result)
+        return str(error)
+    return None
+
+
+def test_a_failed_wait_reports_a_divergence_at_an_earlier_reduction():
+    messages = run_ranks(_diverge_at_a_reduction_left_in_flight, 2, timeout=90)
+    for rank, message in enumerate(messages):
+        assert message is not None and "the ranks diverged" in message, (rank, message)
