@@ -4,6 +4,7 @@ state-dict hooks, and the records of _state.py left behind."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -29,6 +30,13 @@ def _owned_params(module: torch.nn.Module):
         for local, p in sub._parameters.items():
             if p is not None:
                 yield sub, local, p
+
+
+def _tied(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters installed in more than one place (a tied embedding
+    and output head)."""
+    places = collections.Counter(p for _, _, p in _owned_params(module))
+    return [p for p, n in places.items() if n > 1]
 
 
 def _runtime(group) -> Runtime:
@@ -88,8 +96,9 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
             runtime.set_persistent(refs_by_param[p].pid, True)
     unit_ids = {refs_by_param[p].pid for _, unit in units for p in unit.parameters()}
     checks = RankCheck(group, config.rank_check_timeout_s)
+    tied_ids = {refs_by_param[p].pid for p in _tied(module)} - unit_ids
     schedule = EagerSchedule(list(refs_by_param.values()), unit_ids, config.eager_prefetch,
-                             checks, config.eager_reduce_bucket_bytes)
+                             checks, config.eager_reduce_bucket_bytes, tied_ids)
     per_module: dict[torch.nn.Module, dict[str, ShardedParamRef]] = {}
     for sub, local, p in _owned_params(module):
         ref = refs_by_param[p]

@@ -55,11 +55,12 @@ EagerScope::Root& EagerScope::root_locked(int64_t root) {
   return it->second;
 }
 
-void EagerScope::add_root(int64_t root, const std::vector<int64_t>& ids) {
+void EagerScope::add_root(int64_t root, const std::vector<int64_t>& ids,
+                          const std::vector<int64_t>& tied) {
   std::vector<const c10::StorageImpl*> storages;
   for (int64_t id : ids) storages.push_back(storage_of(runtime_.padded_base(id)));
   std::lock_guard<std::mutex> lock(mutex_);
-  roots_[root];
+  roots_[root].tied.insert(tied.begin(), tied.end());
   for (size_t i = 0; i < ids.size(); ++i) by_storage_[storages[i]] = {root, ids[i]};
 }
 
@@ -117,11 +118,12 @@ std::tuple<std::optional<at::Tensor>, bool> EagerScope::read(int64_t root, int64
     std::lock_guard<std::mutex> lock(mutex_);
     Root& r = root_locked(root);
     if (!r.scopes.is_open()) return {std::nullopt, false};
-    if (const at::Tensor* full = r.scopes.find(id)) return {*full, false};
+    if (const at::Tensor* full = r.scopes.find(id, r.tied.count(id) > 0)) return {*full, false};
   }
   at::Tensor full = gather_for_read(root, id, shard);
   std::lock_guard<std::mutex> lock(mutex_);
-  root_locked(root).scopes.hold(id, full);
+  Root& r = root_locked(root);
+  r.scopes.hold(id, full, r.tied.count(id) > 0);
   return {full, true};
 }
 

@@ -83,7 +83,9 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       // The eager schedule's events (sharc::EagerScope, eager_scope.h).
       .def("eager_add_root",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
-              std::vector<int64_t> ids) { self->eager_scope().add_root(root, ids); })
+              std::vector<int64_t> ids, std::vector<int64_t> tied) {
+             self->eager_scope().add_root(root, ids, tied);
+           })
       .def("eager_add_unit",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
               std::vector<int64_t> ids, std::vector<at::Tensor> shards) {

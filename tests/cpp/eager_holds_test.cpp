@@ -37,6 +37,23 @@ TEST(ScopeStack, ARepeatedReadFindsWhatTheInnermostScopeHolds) {
   EXPECT_EQ(*scopes.find(1), "w1");
 }
 
+TEST(ScopeStack, AHoldForThePassIsSharedBySiblingScopesUntilTheOutermostCloses) {
+  ScopeStack<std::string> scopes;
+  scopes.open();  // the root
+  scopes.open();  // the encoder's embedding reads the tied weight first
+  EXPECT_EQ(scopes.find(5, /*for_pass=*/true), nullptr);
+  scopes.hold(5, "tied", /*for_pass=*/true);
+  scopes.hold(2, "own");
+  EXPECT_EQ(scopes.close(), Ids{2});  // the tied hold outlives its first reader
+  scopes.open();  // the output head, a sibling
+  ASSERT_NE(scopes.find(5, /*for_pass=*/true), nullptr);
+  EXPECT_EQ(*scopes.find(5, /*for_pass=*/true), "tied");
+  EXPECT_EQ(scopes.find(5), nullptr);  // not the innermost scope's own
+  EXPECT_TRUE(scopes.close().empty());
+  EXPECT_EQ(scopes.close(), Ids{5});  // the pass ends
+  EXPECT_FALSE(scopes.is_open());
+}
+
 TEST(ScopeStack, ClosingDropsTheScopesHoldsInReadOrderValuesFirst) {
   ScopeStack<std::shared_ptr<int>> scopes;
   auto full = std::make_shared<int>(7);

@@ -11,6 +11,15 @@
 // parent's forward. A tied parameter read in two scopes is held by both and
 // freed when the last hold goes.
 //
+// A parameter installed in more than one module (a tied embedding and
+// output head) is held by the outermost scope instead, from its first read
+// to the end of the forward pass: the modules that read it rarely enclose
+// each other, and held by each, it would be gathered, and its gradient
+// reduced, once per module. Held by the pass it costs one gather, one
+// autograd node (which sums the modules' gradients, as autograd does for
+// an unsharded parameter) and one reduction, for the bytes of holding it
+// between the reads.
+//
 // Backward. A saved tensor that is (derived from) a gathered parameter is
 // kept as a handle, and unpacking it gathers the parameter again: one
 // backward hold per parameter and backward pass, shared by every unpack.
@@ -43,17 +52,21 @@ class ScopeStack {
 
   bool is_open() const { return !scopes_.empty(); }
 
-  /// What the innermost scope holds for `id`, or nullptr.
-  const Full* find(int64_t id) const {
+  /// What the innermost scope (the outermost one, for `for_pass`) holds
+  /// for `id`, or nullptr.
+  const Full* find(int64_t id, bool for_pass = false) const {
     if (scopes_.empty()) return nullptr;
-    for (const auto& [held, full] : scopes_.back()) {
+    for (const auto& [held, full] : for_pass ? scopes_.front() : scopes_.back()) {
       if (held == id) return &full;
     }
     return nullptr;
   }
 
-  /// The innermost scope takes a hold on `id`, gathered as `full`.
-  void hold(int64_t id, Full full) { scopes_.back().emplace_back(id, std::move(full)); }
+  /// The innermost scope (the outermost one, for `for_pass`: held until
+  /// the pass ends) takes a hold on `id`, gathered as `full`.
+  void hold(int64_t id, Full full, bool for_pass = false) {
+    (for_pass ? scopes_.front() : scopes_.back()).emplace_back(id, std::move(full));
+  }
 
   /// Closes the innermost scope (nothing if none is open). Returns the
   /// parameters whose holds it drops, in the order they were taken; the

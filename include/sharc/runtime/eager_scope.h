@@ -41,8 +41,11 @@ class EagerScope {
   explicit EagerScope(Runtime& runtime) : runtime_(runtime) {}
 
   /// Sharded root `root` owns `ids`: a saved tensor in one of their
-  /// buffers is kept as a handle (saved_param). Does not communicate.
-  void add_root(int64_t root, const std::vector<int64_t>& ids);
+  /// buffers is kept as a handle (saved_param). `tied`, among them, are
+  /// installed in more than one module: held for the whole forward pass
+  /// (see [Note: eager holds]). Does not communicate.
+  void add_root(int64_t root, const std::vector<int64_t>& ids,
+                const std::vector<int64_t>& tied = {});
   /// A gather unit of `root` (ShardConfig.gather_units): `ids` and their
   /// shards (the nn.Parameters, whose `.grad` the unit's reduction adds
   /// to). Returns its index for the unit events below.
@@ -101,6 +104,7 @@ class EagerScope {
   };
   struct Root {
     ScopeStack<at::Tensor> scopes;
+    std::set<int64_t> tied;  ///< held by the outermost scope
     BackwardHolds<at::Tensor> backward;
     bool saves_elsewhere = false;  ///< set at the outermost scope
     std::vector<Unit> units;

@@ -225,11 +225,13 @@ class EagerSchedule:
 
     def __init__(self, refs: list[ShardedParamRef], unit_ids: set[int] = frozenset(),
                  prefetch: bool = True, checks: RankCheck | None = None,
-                 reduce_bucket_bytes: int = 4 << 20):
+                 reduce_bucket_bytes: int = 4 << 20, tied_ids: set[int] = frozenset()):
         self._runtime = refs[0].runtime if refs else None
         self._root = next(_ROOT_KEYS)
         if self._runtime is not None:  # gather units gather on their own
-            self._runtime.eager_add_root(self._root, [r.pid for r in refs])
+            # Tied parameters are held for the whole forward pass (see
+            # [Note: eager holds]).
+            self._runtime.eager_add_root(self._root, [r.pid for r in refs], sorted(tied_ids))
             self._runtime.set_eager_prefetch(self._root, prefetch, sorted(unit_ids))
             self._runtime.set_eager_bucket_bytes(self._root, reduce_bucket_bytes)
         self.checks = checks  # reads outside forward are collective: checked first
