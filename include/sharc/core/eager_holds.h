@@ -8,8 +8,8 @@
 // keeps the full tensor, so later reads in that scope share the gather and
 // its autograd node; closing the scope drops its holds. The innermost scope
 // owns a read: a parent that reads a child's parameter holds it for the
-// parent's forward. A tied parameter read in two scopes is held by both and
-// freed when the last hold goes.
+// parent's forward. A parameter read in two scopes (a parent and a child)
+// is held by both and freed when the last hold goes.
 //
 // A parameter installed in more than one module (a tied embedding and
 // output head) is held by the outermost scope instead, from its first read
