@@ -114,16 +114,17 @@ bool EagerScope::exit(int64_t root) {
 
 std::tuple<std::optional<at::Tensor>, bool> EagerScope::read(int64_t root, int64_t id,
                                                              const at::Tensor& shard) {
+  bool for_pass = false;  // tied: the outermost scope holds it (fixed at add_root)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Root& r = root_locked(root);
     if (!r.scopes.is_open()) return {std::nullopt, false};
-    if (const at::Tensor* full = r.scopes.find(id, r.tied.count(id) > 0)) return {*full, false};
+    for_pass = r.tied.count(id) > 0;
+    if (const at::Tensor* full = r.scopes.find(id, for_pass)) return {*full, false};
   }
   at::Tensor full = gather_for_read(root, id, shard);
   std::lock_guard<std::mutex> lock(mutex_);
-  Root& r = root_locked(root);
-  r.scopes.hold(id, full, r.tied.count(id) > 0);
+  root_locked(root).scopes.hold(id, full, for_pass);
   return {full, true};
 }
 

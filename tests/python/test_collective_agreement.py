@@ -173,19 +173,19 @@ def _diverge_at_a_reduction_left_in_flight(rank, world):
     a = rt.register_param(torch.arange(8.0), "a")
     b = rt.register_param(torch.arange(8.0) + 100, "b")
     c = rt.register_param(torch.arange(6.0), "c")
-    reduce = torch.ops.sharc
+    ops = torch.ops.sharc
 
     for _ in range(8):
-        token = reduce.start_reduce_scatter([torch.ones(8)], group, [a])
+        token = ops.start_reduce_scatter([torch.ones(8)], group, [a])
         rt.gather(c)
         rt.release(c, "free")
-        reduce.wait_reduce_scatter(token, group, [a])
+        ops.wait_reduce_scatter(token, group, [a])
     mine = b if rank == 1 else a
-    token = reduce.start_reduce_scatter([torch.ones(8)], group, [mine])
+    token = ops.start_reduce_scatter([torch.ones(8)], group, [mine])
     try:
         if rank == 0:
             rt.gather(c)
-        reduce.wait_reduce_scatter(token, group, [mine])
+        ops.wait_reduce_scatter(token, group, [mine])
     except Exception as error:  # noqa: BLE001  (the message is the result)
         return str(error)
     return None

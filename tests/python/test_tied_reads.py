@@ -38,9 +38,12 @@ def make():
 
 
 def batch(step, rank, world):
+    """Each rank's own tokens, and a sequence length that changes from
+    step to step."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    return (torch.randint(0, VOCAB, (2, 5), generator=g),
-            torch.randint(0, VOCAB, (2, 5), generator=g))
+    length = 4 + step % 3
+    return (torch.randint(0, VOCAB, (2, length), generator=g),
+            torch.randint(0, VOCAB, (2, length), generator=g))
 
 
 def _gathers_of_the_tied_weight(rank, world):
