@@ -106,7 +106,7 @@ void Runtime::settle_locked(int64_t seq) {
 // them in flight until the end of backward, and waiting for them at each
 // gather measurably slowed the GPT (4% a step). Instead, when a host wait
 // fails (the rank that raised has left, and the backend says so), the
-// earlier reductions that completed are settled before the backend's
+// earlier reductions are waited for and settled before the backend's
 // error goes up, so a divergence among them is what this rank reports.
 // On a device a wait only orders streams, and headers settle on arrival.
 void Runtime::settle_before_locked(int64_t seq, bool gathers_only) {
@@ -137,8 +137,14 @@ void Runtime::explain_failed_wait_locked(int64_t seq) {
   for (const auto& [s, token] : earlier) {
     auto it = reductions_.find(token);
     if (it == reductions_.end() || !it->second.work) continue;
-    const auto& work = it->second.work;
-    if (!work->isCompleted() || work->exception()) continue;
+    // Every rank issued it or it fails now that a rank left, so the wait
+    // ends; it is also what fills the wire on the host (the sum after an
+    // all-to-all runs in wait()).
+    try {
+      it->second.work->wait();
+    } catch (const std::exception&) {
+      continue;  // never completed: nothing to judge
+    }
     settle_reduction_locked(it->second);  // throws where the ranks diverged
   }
 }

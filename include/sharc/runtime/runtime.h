@@ -470,9 +470,10 @@ class Runtime : public torch::CustomClassHolder {
   /// settled yet (every gather, for `gathers_only`), before this rank
   /// blocks on `seq` (see [Note: settle in order] in runtime_agreement.cpp).
   void settle_before_locked(int64_t seq, bool gathers_only = false);
-  /// The host wait on collective `seq` failed (a rank left): settles each
-  /// earlier reduction that completed, so that a divergence there is the
-  /// error raised, not the backend's (see [Note: settle in order]).
+  /// The host wait on collective `seq` failed (a rank left): waits for and
+  /// settles each earlier reduction that completes, so that a divergence
+  /// there is the error raised, not the backend's (see [Note: settle in
+  /// order]).
   void explain_failed_wait_locked(int64_t seq);
   /// Whether a collective delivering into `wire` is settled once its
   /// headers arrive (see set_settle_on_arrival).
