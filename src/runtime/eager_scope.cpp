@@ -80,12 +80,20 @@ int64_t EagerScope::add_unit(int64_t root, const std::vector<int64_t>& ids,
 
 bool EagerScope::enter(int64_t root, bool saves_elsewhere) {
   bool outermost = false;
+  std::vector<int64_t> unclaimed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Root& r = root_locked(root);
     outermost = r.scopes.open();
-    if (outermost) r.saves_elsewhere = saves_elsewhere;
+    if (outermost) {
+      r.saves_elsewhere = saves_elsewhere;
+      r.saved_tied.clear();
+      // A forward recomputed in backward (checkpointing) is part of that
+      // backward, which may still unpack what its forward kept.
+      if (torch::autograd::get_current_graph_task_id() == -1) unclaimed = drop_unclaimed_locked(r);
+    }
   }
+  for (int64_t id : unclaimed) let_go(root, id);
   if (outermost) runtime_.begin_eager_forward();
   runtime_.eager_reduction().enter_module(root);
   runtime_.eager_prefetch().enter_module(root);
@@ -99,7 +107,12 @@ bool EagerScope::exit(int64_t root) {
     std::lock_guard<std::mutex> lock(mutex_);
     Root& r = root_locked(root);
     if (!r.scopes.is_open()) return false;  // a second exit: nothing to drop
+    const std::set<int64_t> kept =
+        r.scopes.innermost_is_outermost() ? keep_saved_tied_locked(r) : std::set<int64_t>{};
     held = r.scopes.close();  // the scope's tensors go first: only outside references remain
+    held.erase(std::remove_if(held.begin(), held.end(),
+                              [&](int64_t id) { return kept.count(id) > 0; }),
+               held.end());
     outermost = !r.scopes.is_open();
   }
   for (int64_t id : held) let_go(root, id);
@@ -144,18 +157,58 @@ at::Tensor EagerScope::gather_for_read(int64_t root, int64_t id, const at::Tenso
 
 // -- backward ---------------------------------------------------------------
 
-int64_t EagerScope::saved_param(int64_t root, const at::Tensor& saved) const {
+int64_t EagerScope::saved_param(int64_t root, const at::Tensor& saved) {
   const c10::StorageImpl* storage = storage_of(saved);
   if (storage == nullptr) return -1;
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = by_storage_.find(storage);
-  return it != by_storage_.end() && it->second.first == root ? it->second.second : -1;
+  if (it == by_storage_.end() || it->second.first != root) return -1;
+  const int64_t id = it->second.second;
+  Root& r = root_locked(root);
+  if (r.tied.count(id) > 0 && r.scopes.is_open()) r.saved_tied.insert(id);
+  return id;
+}
+
+// [Note: eager holds] (tied parameters kept for backward): every rank
+// saves the same tensors in a pass, so every rank keeps the same ones and
+// skips the same backward gather.
+std::set<int64_t> EagerScope::keep_saved_tied_locked(Root& r) {
+  std::set<int64_t> kept;
+  for (int64_t id : r.saved_tied) {
+    const at::Tensor* full = r.scopes.find(id, /*for_pass=*/true);
+    if (full == nullptr || r.backward.find(id) != nullptr) continue;
+    r.backward.hold(id, *full);
+    r.kept_for_backward.insert(id);
+    kept.insert(id);
+  }
+  r.saved_tied.clear();
+  return kept;
+}
+
+std::vector<int64_t> EagerScope::drop_unclaimed_locked(Root& r) {
+  std::vector<int64_t> dropped;
+  for (int64_t id : r.kept_for_backward) {
+    if (r.backward.drop(id)) dropped.push_back(id);
+  }
+  r.kept_for_backward.clear();
+  return dropped;
 }
 
 at::Tensor EagerScope::unpack(int64_t root, int64_t id) {
+  std::optional<at::Tensor> kept;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (const at::Tensor* full = root_locked(root).backward.find(id)) return *full;
+    Root& r = root_locked(root);
+    const at::Tensor* full = r.backward.find(id);
+    if (full != nullptr && r.kept_for_backward.erase(id) == 0) return *full;
+    if (full != nullptr) {  // kept from forward: this backward ends its hold
+      kept = *full;
+      note_backward_locked(root);
+    }
+  }
+  if (kept.has_value()) {
+    runtime_.queue_end_of_backward();
+    return *kept;
   }
   // Recorded for the next backward's prefetch, which may start its group.
   runtime_.eager_prefetch().on_backward_gather(root, id);

@@ -15,10 +15,13 @@ TEST(ScopeStack, OnlyTheFirstScopeIsOutermost) {
   EXPECT_FALSE(scopes.is_open());
   EXPECT_TRUE(scopes.open());
   EXPECT_FALSE(scopes.open());
+  EXPECT_FALSE(scopes.innermost_is_outermost());
   scopes.close();
   EXPECT_TRUE(scopes.is_open());
+  EXPECT_TRUE(scopes.innermost_is_outermost());  // what the outermost close keeps
   scopes.close();
   EXPECT_FALSE(scopes.is_open());
+  EXPECT_FALSE(scopes.innermost_is_outermost());
 }
 
 TEST(ScopeStack, ARepeatedReadFindsWhatTheInnermostScopeHolds) {

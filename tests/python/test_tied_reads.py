@@ -1,8 +1,10 @@
 """A parameter installed in several modules (an embedding tied to the
 encoder's and the decoder's input and to the output head, as in T5 and
 SwitchTransformers) that eager code reads in sibling modules: it is
-gathered once a forward pass, not once per module, and training still
-matches one unsharded process (see [Note: eager holds])."""
+gathered once a forward pass, not once per module; where autograd saved
+it, it stays gathered for the backward pass, which does not gather it
+again; and training still matches one unsharded process (see
+[Note: eager holds])."""
 
 import pytest
 import torch
@@ -48,7 +50,8 @@ def batch(step, rank, world):
 
 def _gathers_of_the_tied_weight(rank, world):
     """How many times each forward pass calls the gather operator on the
-    tied weight, and what is left gathered after forward and after a step."""
+    tied weight, and what is left gathered after forward (the tied weight,
+    which the head saved for backward) and after a step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import sharc
@@ -85,7 +88,7 @@ def _gathers_of_the_tied_weight(rank, world):
 def test_a_tied_weight_is_gathered_once_a_forward_pass():
     for out in run_ranks(_gathers_of_the_tied_weight, 2):
         assert out["calls"] == [1, 1, 1], out  # three modules read it each pass
-        assert out["after_forward"] == [0, 0, 0], out
+        assert out["after_forward"] == [VOCAB * WIDTH * 4] * 3, out  # kept for backward
         assert out["after_step"] == [0, 0, 0], out
 
 
@@ -97,3 +100,100 @@ def _rank(rank, world, mode):
 def test_training_with_a_tied_weight_matches_single_process(mode):
     reference = scenario.run_reference(make, batch, 2, 6)
     scenario.assert_matches_reference(run_ranks(_rank, 2, mode), reference, 2)
+
+
+class TiedHead(nn.Module):
+    """An embedding and an output head sharing one weight, with nothing else
+    sharded that backward needs gathered (the norm's weight is not saved)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, src, tgt):
+        h = torch.tanh(self.emb(src))
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), tgt.reshape(-1))
+
+
+def _backward_gathers(rank, world):
+    """All-gather bytes each backward pass sends: the head's backward
+    unpacks the tied weight it saved. Then a forward dropped without
+    backward, another forward and its backward: what stays gathered."""
+    import warnings
+
+    import sharc
+
+    torch.manual_seed(0)
+    model = TiedHead()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"backward_bytes": [], "after_step": []}
+    for step in range(3):
+        loss = model(*batch(step, rank, world))
+        sharc.reset_memory_stats()
+        loss.backward()
+        out["backward_bytes"].append(sharc.memory_stats()["allgather_bytes"])
+        opt.step()
+        opt.zero_grad()
+        out["after_step"].append(sharc.memory_stats()["gathered_bytes"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no buffer handed over to a reference
+        dropped = model(*batch(3, rank, world))
+        out["after_dropped"] = sharc.memory_stats()["gathered_bytes"]
+        del dropped
+        loss = model(*batch(4, rank, world))
+        loss.backward()
+        opt.step()
+    out["after_last_step"] = sharc.memory_stats()["gathered_bytes"]
+    return out
+
+
+def test_a_tied_weight_saved_for_backward_is_not_gathered_again():
+    for out in run_ranks(_backward_gathers, 2):
+        assert out["backward_bytes"] == [0, 0, 0], out
+        assert out["after_step"] == [0, 0, 0], out
+        assert out["after_dropped"] == VOCAB * WIDTH * 4, out  # kept for a backward
+        assert out["after_last_step"] == 0, out  # the next forward let it go
+
+
+def _dropped_forward_rank(rank, world, mode):
+    """Training where every other step first runs a forward pass whose
+    loss is dropped without backward."""
+    import sharc
+
+    model = make()
+    sharc.shard(model)
+    step_fn = model if mode == "eager" else torch.compile(model, backend="sharc")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(6):
+        if step % 2:
+            step_fn(*batch(step + 50, rank, world))  # dropped
+        loss = step_fn(*batch(step, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_forwards_dropped_between_steps_change_nothing(mode):
+    def reference():
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(6):
+            parts = [model(*batch(step, r, 2)) for r in range(2)]
+            loss = sum(parts) / 2
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append([p.item() for p in parts])
+        return losses
+
+    expected = reference()
+    for rank, losses in enumerate(run_ranks(_dropped_forward_rank, 2, mode)):
+        torch.testing.assert_close(losses, [e[rank] for e in expected], rtol=1e-5, atol=1e-6)

@@ -18,7 +18,14 @@
 // reduced, once per module. Held by the pass it costs one gather, one
 // autograd node (which sums the modules' gradients, as autograd does for
 // an unsharded parameter) and one reduction, for the bytes of holding it
-// between the reads.
+// between the reads. Where autograd saved it in the pass (the output head's
+// matmul saves its weight), the pass's end hands the hold to backward
+// instead of releasing it: the head's backward, usually the first node of
+// backward, would gather it again at once, blocking, so keeping it costs
+// the bytes from the end of forward to that node and saves a gather a step.
+// Every rank saves the same tensors, so every rank keeps alike. A kept
+// hold no backward took (a forward pass dropped without backward) is
+// dropped when the next forward pass begins outside backward.
 //
 // Backward. A saved tensor that is (derived from) a gathered parameter is
 // kept as a handle, and unpacking it gathers the parameter again: one
@@ -51,6 +58,8 @@ class ScopeStack {
   }
 
   bool is_open() const { return !scopes_.empty(); }
+  /// Whether the scope open innermost is the outermost one.
+  bool innermost_is_outermost() const { return scopes_.size() == 1; }
 
   /// What the innermost scope (the outermost one, for `for_pass`) holds
   /// for `id`, or nullptr.

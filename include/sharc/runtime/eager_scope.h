@@ -68,11 +68,12 @@ class EagerScope {
                                                     const at::Tensor& shard);
 
   /// The parameter of `root` whose gathered buffer `saved` lives in (a
-  /// tensor autograd saves), or -1.
-  int64_t saved_param(int64_t root, const at::Tensor& saved) const;
+  /// tensor autograd saves), or -1. A tied parameter saved in a forward
+  /// pass is kept gathered for its backward (see [Note: eager holds]).
+  int64_t saved_param(int64_t root, const at::Tensor& saved);
   /// Backward of `root` unpacks a saved handle of `id`: the full tensor,
-  /// gathered again (blocking) on the pass's first unpack and held until
-  /// the gather's backward ran or backward ends.
+  /// kept from forward or gathered again (blocking) on the pass's first
+  /// unpack, and held until the gather's backward ran or backward ends.
   at::Tensor unpack(int64_t root, int64_t id);
 
   /// A gather unit's forward begins (blocking: one bucketed all-gather,
@@ -105,6 +106,12 @@ class EagerScope {
   struct Root {
     ScopeStack<at::Tensor> scopes;
     std::set<int64_t> tied;  ///< held by the outermost scope
+    /// Tied parameters autograd saved in the open forward pass: their hold
+    /// goes to `backward` when the pass ends, not back to the runtime.
+    std::set<int64_t> saved_tied;
+    /// Tied parameters a forward pass left held for a backward that has not
+    /// unpacked them yet; the next forward pass drops what is left.
+    std::set<int64_t> kept_for_backward;
     BackwardHolds<at::Tensor> backward;
     bool saves_elsewhere = false;  ///< set at the outermost scope
     std::vector<Unit> units;
@@ -120,6 +127,12 @@ class EagerScope {
   void note_backward_locked(int64_t root);
   /// Drops one hold (see let_go in eager_scope.cpp).
   void let_go(int64_t root, int64_t id);
+  /// The outermost scope of `r` closes: moves its holds on the tied
+  /// parameters saved in the pass into the backward holds. Returns them.
+  std::set<int64_t> keep_saved_tied_locked(Root& r);
+  /// A forward pass begins outside backward: the backward holds an earlier
+  /// pass kept and no backward took (a forward dropped without backward).
+  std::vector<int64_t> drop_unclaimed_locked(Root& r);
   /// Gathers unit `unit` whole (one hold on each member), after starting
   /// it and the unit ahead of it in `pass`'s order (EagerPrefetch).
   void gather_unit(int64_t root, int64_t unit, EagerPrefetch::UnitPass pass);
