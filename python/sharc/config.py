@@ -59,9 +59,10 @@ class ShardConfig:
     asynchronously in buckets drawn in forward: a bucket closes at the end
     of the first module's forward that brings it to this many bytes of full
     gradients (in the reduce dtype), so a bucket is one module or a run of
-    small neighbouring ones. 0: one bucket per module. Larger buckets mean
-    fewer collectives and more gradient memory in flight (at most two
-    buckets); see src/runtime/eager_reduction.h."""
+    small neighbouring ones. 0: one bucket per module. Gather units'
+    reductions, at the end of backward, are batched by the same size (0:
+    one per unit). Larger buckets mean fewer collectives and more gradient
+    memory in flight (at most two buckets); see src/runtime/eager_reduction.h."""
 
     rank_check_timeout_s: float = 120.0
     """How long a rank waits for the others at a call every rank must make

@@ -160,6 +160,12 @@ void EagerReduction::set_bucket_bytes(int64_t root, int64_t bytes) {
   bucket_bytes_[root] = bytes;
 }
 
+int64_t EagerReduction::bucket_bytes(int64_t root) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = bucket_bytes_.find(root);
+  return it == bucket_bytes_.end() ? kDefaultBucketBytes : it->second;
+}
+
 std::shared_ptr<EagerBucket> EagerReduction::open_bucket_locked(int64_t id) {
   // A parameter read twice in one stretch (a tied weight in two modules)
   // gathers twice: each gather's gradient goes to a bucket of its own.

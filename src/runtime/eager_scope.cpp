@@ -282,6 +282,35 @@ void EagerScope::unit_backward(int64_t root, int64_t unit) {
   runtime_.queue_end_of_backward();
 }
 
+// The units' reductions run at the end of backward, where no compute is
+// left to hide them: a collective per unit paid a collective's latency per
+// unit (on the host, most of a small unit's time). Neighbours in backward's
+// order share one instead, a batch closing once its full gradients reach
+// the eager bucket size (ShardConfig.eager_reduce_bucket_bytes; 0: a unit
+// each). Bucketing changes no sum: every element is still summed over the
+// ranks in rank order.
+std::vector<EagerScope::Unit> EagerScope::batch_units(int64_t root,
+                                                      const std::vector<Unit>& reached) {
+  const int64_t limit = runtime_.eager_reduction().bucket_bytes(root);
+  std::vector<Unit> batches;
+  int64_t bytes = 0;
+  for (const Unit& unit : reached) {
+    if (batches.empty() || bytes >= limit) {
+      batches.emplace_back();
+      bytes = 0;
+    }
+    Unit& batch = batches.back();
+    batch.ids.insert(batch.ids.end(), unit.ids.begin(), unit.ids.end());
+    batch.shards.insert(batch.shards.end(), unit.shards.begin(), unit.shards.end());
+    for (int64_t id : unit.ids) {
+      int64_t numel = 1;
+      for (int64_t size : runtime_.shape(id)) numel *= size;
+      bytes += numel * static_cast<int64_t>(c10::elementSize(runtime_.spec(id).reduce_dtype));
+    }
+  }
+  return batches;
+}
+
 EagerScope::UnitReduction EagerScope::start_unit_reduction(const Unit& unit) {
   std::vector<int64_t> ids;
   UnitReduction reduction;
@@ -319,15 +348,16 @@ void EagerScope::end_backward() {
       for (int64_t unit : units) reached.push_back(r.units.at(static_cast<size_t>(unit)));
       held = r.backward.drop_all();
     }
-    // In the same order on every rank, one collective per unit, each
-    // started before the one before it is waited for: two in flight at
-    // most (their buckets are what it costs), not one wait per unit.
+    // In the same order on every rank, one collective per batch of units,
+    // each started before the one before it is waited for: two in flight
+    // at most (their buckets are what it costs), not one wait per batch.
+    const std::vector<Unit> batches = batch_units(root, reached);
     UnitReduction in_flight;
-    for (size_t i = 0; i <= reached.size(); ++i) {
-      UnitReduction next = i < reached.size() ? start_unit_reduction(reached[i]) : UnitReduction{};
+    for (size_t i = 0; i <= batches.size(); ++i) {
+      UnitReduction next = i < batches.size() ? start_unit_reduction(batches[i]) : UnitReduction{};
       if (i > 0) {
         finish_unit_reduction(in_flight);
-        for (int64_t id : reached[i - 1].ids) let_go(root, id);
+        for (int64_t id : batches[i - 1].ids) let_go(root, id);
       }
       in_flight = std::move(next);
     }

@@ -70,6 +70,7 @@ class EagerReduction {
   void exit_module();
   /// Where root `root`'s buckets close (ShardConfig.eager_reduce_bucket_bytes).
   void set_bucket_bytes(int64_t root, int64_t bytes);
+  int64_t bucket_bytes(int64_t root);
 
   /// Wires `full`, just gathered from `shard` (parameter `id`, no autograd
   /// history yet), into autograd: its gradient is reduced through the open

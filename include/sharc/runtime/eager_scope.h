@@ -90,10 +90,10 @@ class EagerScope {
   void release_backward_hold(int64_t root, int64_t id);
 
   /// The backward pass ended (the runtime's end-of-backward callback):
-  /// reduces the units (a collective each, in the same order on every
-  /// rank, the next started before the last is waited for), drops every
-  /// backward hold and ends the eager prefetch's pass for each root that
-  /// gathered for backward.
+  /// reduces the units (a collective per batch of neighbours, in the same
+  /// order on every rank, the next started before the last is waited
+  /// for), drops every backward hold and ends the eager prefetch's pass
+  /// for each root that gathered for backward.
   void end_backward();
 
  private:
@@ -141,6 +141,9 @@ class EagerScope {
     std::vector<at::Tensor> shards;
     int64_t token = -1;  ///< -1: nothing to reduce (every member frozen or gone)
   };
+  /// The units backward reached, in its order, as batches reduced by one
+  /// collective each (see end_backward in eager_scope.cpp).
+  std::vector<Unit> batch_units(int64_t root, const std::vector<Unit>& reached);
   /// Starts reducing what the unit's backward held back; finish_unit_reduction
   /// waits for it and adds it into its shards' grads.
   UnitReduction start_unit_reduction(const Unit& unit);

@@ -1,0 +1,94 @@
+"""Gather units' reductions at the end of backward: the units backward
+reached share one collective per batch of neighbours, a batch closing once
+its full gradients reach ShardConfig.eager_reduce_bucket_bytes (0: a unit
+each). Batching changes no sum: training is bitwise the same whatever the
+batch size, eager and compiled, on ranks whose routing differs."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_harness import run_ranks
+
+WIDTH, EXPERTS, LAYERS = 8, 3, 3
+UNITS = tuple(f"layers.{i}" for i in range(LAYERS))
+# One unit's full gradients: the router (WIDTH x EXPERTS + EXPERTS) and the
+# experts (EXPERTS x (WIDTH x WIDTH + WIDTH)), fp32.
+UNIT_BYTES = 4 * (WIDTH * EXPERTS + EXPERTS + EXPERTS * (WIDTH * WIDTH + WIDTH))
+
+
+class MoE(nn.Module):
+    """Top-1 routing: which experts run depends on this rank's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(WIDTH, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
+
+    def forward(self, x):
+        gate = self.router(x).softmax(-1)
+        choice = gate.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().flatten()
+            if idx.numel():
+                out = out.index_add(0, idx, expert(x[idx]) * gate[idx, e:e + 1])
+        return x + out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, WIDTH)
+        self.layers = nn.ModuleList(MoE() for _ in range(LAYERS))
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.layers[0](self.inp(x)))
+        h = torch.tanh(self.layers[1](h))
+        h = torch.tanh(self.layers[2](h))
+        return self.out(h).pow(2).mean()
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(3 + step % 3, 4, generator=g)  # rows change per step
+
+
+def _train(rank, world, mode, bucket_bytes):
+    import sharc
+
+    torch.manual_seed(0)
+    model = Net()
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS,
+                                                eager_reduce_bucket_bytes=bucket_bytes))
+    step_fn = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = {"losses": [], "unit_reductions": []}
+    for step in range(4):
+        loss = step_fn(_batch(step, rank))
+        with torch.profiler.profile() as prof:
+            loss.backward()
+        out["unit_reductions"].append(
+            sum(e.name == "sharc::flush_unit" for e in prof.events()))
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    out["params"] = sharc.full_state_dict(model)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_units_share_a_reduction_per_bucket_and_train_the_same(mode):
+    batched = run_ranks(_train, 2, mode, 4 << 20)  # the default: all three fit
+    one_each = run_ranks(_train, 2, mode, 0)
+    two_batches = run_ranks(_train, 2, mode, UNIT_BYTES * 3 // 2)  # closes after two units
+    for a, b, c in zip(batched, one_each, two_batches):
+        assert a["unit_reductions"] == [1] * 4, a["unit_reductions"]
+        assert b["unit_reductions"] == [LAYERS] * 4, b["unit_reductions"]
+        assert c["unit_reductions"] == [2] * 4, c["unit_reductions"]
+        for other in (b, c):
+            assert a["losses"] == other["losses"]
+            for name in a["params"]:
+                assert torch.equal(a["params"][name], other["params"][name]), name
+    assert batched[0]["losses"] != batched[1]["losses"]  # the ranks trained on their own rows
