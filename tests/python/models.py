@@ -123,3 +123,45 @@ def gathered_beyond_kept(group=None) -> int:
 
     stats = sharc.memory_stats(group)
     return stats["gathered_bytes"] - stats["kept_gathered_bytes"]
+
+
+class TopOneMoE(nn.Module):
+    """A mixture-of-experts layer with top-1 routing: which experts run
+    depends on this rank's tokens. `fail` makes its forward raise (a
+    forward that fails inside a gather unit)."""
+
+    def __init__(self, width: int, experts: int):
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("planned failure inside a unit")
+        gate = self.router(x).softmax(-1)
+        choice = gate.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().flatten()
+            if idx.numel():
+                out = out.index_add(0, idx, expert(x[idx]) * gate[idx, e:e + 1])
+        return x + out
+
+
+class ThreeMoELayers(nn.Module):
+    """Rows of 4 features through three TopOneMoE layers (name them
+    `layers.0` to `layers.2` as gather units) to a squared-mean loss."""
+
+    def __init__(self, width: int, experts: int):
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.layers = nn.ModuleList(TopOneMoE(width, experts) for _ in range(3))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        # Unrolled: Dynamo gives up a whole frame whose loop breaks the graph.
+        h = torch.tanh(self.layers[0](self.inp(x)))
+        h = torch.tanh(self.layers[1](h))
+        h = torch.tanh(self.layers[2](h))
+        return self.out(h).pow(2).mean()

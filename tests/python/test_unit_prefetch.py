@@ -9,49 +9,12 @@ between change nothing of that."""
 
 import pytest
 import torch
-import torch.nn as nn
 
 from dist_harness import run_ranks
+from models import ThreeMoELayers
 
-WIDTH, EXPERTS, LAYERS = 8, 3, 3  # Net.forward calls LAYERS layers
+WIDTH, EXPERTS, LAYERS = 8, 3, 3  # ThreeMoELayers calls LAYERS layers
 UNITS = tuple(f"layers.{i}" for i in range(LAYERS))
-
-
-class MoE(nn.Module):
-    """Top-1 routing: which experts run depends on this rank's tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(WIDTH, EXPERTS)
-        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
-        self.fail = False
-
-    def forward(self, x):
-        if self.fail:
-            raise RuntimeError("planned failure inside a unit")
-        gate = self.router(x).softmax(-1)
-        choice = gate.argmax(-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            idx = (choice == e).nonzero().flatten()
-            if idx.numel():
-                out = out.index_add(0, idx, expert(x[idx]) * gate[idx, e:e + 1])
-        return x + out
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, WIDTH)
-        self.layers = nn.ModuleList(MoE() for _ in range(LAYERS))
-        self.out = nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        # Unrolled: Dynamo gives up a whole frame whose loop breaks the graph.
-        h = torch.tanh(self.layers[0](self.inp(x)))
-        h = torch.tanh(self.layers[1](h))
-        h = torch.tanh(self.layers[2](h))
-        return self.out(h).pow(2).mean()
 
 
 def _batch(step, rank):
@@ -89,7 +52,7 @@ def _train(rank, world, mode, prefetch, plan):
     from sharc._state import sharded_root
 
     torch.manual_seed(0)
-    model = Net()
+    model = ThreeMoELayers(WIDTH, EXPERTS)
     sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS, eager_prefetch=prefetch))
     seen = []
     _watch_units(model, sharded_root(model), seen)

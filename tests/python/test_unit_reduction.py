@@ -6,48 +6,15 @@ batch size, eager and compiled, on ranks whose routing differs."""
 
 import pytest
 import torch
-import torch.nn as nn
 
 from dist_harness import run_ranks
+from models import ThreeMoELayers
 
 WIDTH, EXPERTS, LAYERS = 8, 3, 3
 UNITS = tuple(f"layers.{i}" for i in range(LAYERS))
 # One unit's full gradients: the router (WIDTH x EXPERTS + EXPERTS) and the
 # experts (EXPERTS x (WIDTH x WIDTH + WIDTH)), fp32.
 UNIT_BYTES = 4 * (WIDTH * EXPERTS + EXPERTS + EXPERTS * (WIDTH * WIDTH + WIDTH))
-
-
-class MoE(nn.Module):
-    """Top-1 routing: which experts run depends on this rank's tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(WIDTH, EXPERTS)
-        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
-
-    def forward(self, x):
-        gate = self.router(x).softmax(-1)
-        choice = gate.argmax(-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            idx = (choice == e).nonzero().flatten()
-            if idx.numel():
-                out = out.index_add(0, idx, expert(x[idx]) * gate[idx, e:e + 1])
-        return x + out
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, WIDTH)
-        self.layers = nn.ModuleList(MoE() for _ in range(LAYERS))
-        self.out = nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        h = torch.tanh(self.layers[0](self.inp(x)))
-        h = torch.tanh(self.layers[1](h))
-        h = torch.tanh(self.layers[2](h))
-        return self.out(h).pow(2).mean()
 
 
 def _batch(step, rank):
@@ -59,7 +26,7 @@ def _train(rank, world, mode, bucket_bytes):
     import sharc
 
     torch.manual_seed(0)
-    model = Net()
+    model = ThreeMoELayers(WIDTH, EXPERTS)
     sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS,
                                                 eager_reduce_bucket_bytes=bucket_bytes))
     step_fn = torch.compile(model, backend="sharc") if mode == "compiled" else model
