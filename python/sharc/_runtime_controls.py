@@ -51,7 +51,10 @@ def memory_stats(group=None) -> dict[str, int]:
     """This rank's exact byte figures for `group` (default: the world):
     shard_bytes, gathered_bytes, peak_gathered_bytes, allgather_bytes,
     reduce_scatter_bytes (sent since the last reset), collective counts,
-    unreduced_grad_bytes (full gradients held back by no_sync),
+    kept_gathered_bytes (of gathered_bytes, what stays gathered by design:
+    persistent parameters, and tied parameters an eager forward kept for
+    their backward), unreduced_grad_bytes (full gradients held back by
+    no_sync),
     graph_prefetch_calls (gathers compiled graphs started for the next one)
     and late_reductions (reductions compiled backward graphs on the host
     left in flight, their gradients added into .grad later; see

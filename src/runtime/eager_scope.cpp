@@ -185,6 +185,17 @@ std::set<int64_t> EagerScope::keep_saved_tied_locked(Root& r) {
   return kept;
 }
 
+std::set<int64_t> EagerScope::kept_for_backward() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::set<int64_t> kept;
+  for (const auto& [root, r] : roots_) {
+    for (int64_t id : r.kept_for_backward) {
+      if (r.backward.find(id) != nullptr) kept.insert(id);
+    }
+  }
+  return kept;
+}
+
 std::vector<int64_t> EagerScope::drop_unclaimed_locked(Root& r) {
   std::vector<int64_t> dropped;
   for (int64_t id : r.kept_for_backward) {

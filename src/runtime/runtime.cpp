@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <set>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -1067,6 +1068,9 @@ ShardLayout Runtime::layout(int64_t id) {
 }
 
 c10::Dict<std::string, int64_t> Runtime::stats() {
+  // Before the runtime's lock: the eager scope may call into the runtime
+  // under its own.
+  const std::set<int64_t> kept_for_backward = eager_scope_.kept_for_backward();
   std::lock_guard<std::mutex> lock(mutex_);
   const MemoryStats& s = accounting_.stats();
   c10::Dict<std::string, int64_t> out;
@@ -1082,16 +1086,19 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("reduce_wait_ns", s.reduce_wait_ns);
   out.insert("graph_prefetch_calls", s.graph_prefetch_calls);
   out.insert("late_reductions", s.late_reductions);
-  // What stays gathered between steps by design: persistent parameters.
-  // And the room for collective headers that shard_bytes and gathered_bytes
+  // What stays gathered by design: persistent parameters, between steps,
+  // and tied parameters the eager forward kept for backward (kept until
+  // their backward; [Note: eager holds]). And the room for collective headers that shard_bytes and gathered_bytes
   // leave out: one header after each shard (add_param_locked), one per rank
   // in each gathered buffer (claim_buffer_locked).
   int64_t kept = 0, headers = 0;
-  for (const auto& p : params_) {
+  for (size_t id = 0; id < params_.size(); ++id) {
+    const auto& p = params_[id];
     headers += kHeaderBytes;
     const ParamState s = p->state.state();
     if (s == ParamState::Sharded || s == ParamState::Released) continue;
-    if (p->state.persistent()) kept += p->full_bytes();
+    const bool kept_for_pass = kept_for_backward.count(static_cast<int64_t>(id)) > 0;
+    if (p->state.persistent() || kept_for_pass) kept += p->full_bytes();
     headers += comm_.world_size() * kHeaderBytes;
   }
   out.insert("kept_gathered_bytes", kept);

@@ -25,7 +25,10 @@ def _sharded_grads(rank, world, batches, retain_two_losses=False):
     after_forward = []
     for x, y in batches:
         loss = model(rank_slice(x, rank, world), rank_slice(y, rank, world))
-        after_forward.append(sharc.memory_stats()["gathered_bytes"])
+        stats = sharc.memory_stats()
+        # Beyond what the schedule chose to keep for backward (the GPT's
+        # tied embedding and head, which the head saved), counted as kept.
+        after_forward.append(stats["gathered_bytes"] - stats["kept_gathered_bytes"])
         if retain_two_losses:
             (loss * 0.25).backward(retain_graph=True)
             (loss * 0.75).backward()

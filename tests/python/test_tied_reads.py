@@ -142,6 +142,7 @@ def _backward_gathers(rank, world):
         warnings.simplefilter("error")  # no buffer handed over to a reference
         dropped = model(*batch(3, rank, world))
         out["after_dropped"] = sharc.memory_stats()["gathered_bytes"]
+        out["kept_after_dropped"] = sharc.memory_stats()["kept_gathered_bytes"]
         del dropped
         loss = model(*batch(4, rank, world))
         loss.backward()
@@ -154,7 +155,8 @@ def test_a_tied_weight_saved_for_backward_is_not_gathered_again():
     for out in run_ranks(_backward_gathers, 2):
         assert out["backward_bytes"] == [0, 0, 0], out
         assert out["after_step"] == [0, 0, 0], out
-        assert out["after_dropped"] == VOCAB * WIDTH * 4, out  # kept for a backward
+        assert out["after_dropped"] == VOCAB * WIDTH * 4, out  # kept for a backward,
+        assert out["kept_after_dropped"] == VOCAB * WIDTH * 4, out  # and counted as kept
         assert out["after_last_step"] == 0, out  # the next forward let it go
 
 

@@ -25,7 +25,8 @@
 // the bytes from the end of forward to that node and saves a gather a step.
 // Every rank saves the same tensors, so every rank keeps alike. A kept
 // hold no backward took (a forward pass dropped without backward) is
-// dropped when the next forward pass begins outside backward.
+// dropped when the next forward pass begins outside backward. Until its
+// backward, the memory stats count it in kept_gathered_bytes.
 //
 // Backward. A saved tensor that is (derived from) a gathered parameter is
 // kept as a handle, and unpacking it gathers the parameter again: one

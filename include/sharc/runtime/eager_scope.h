@@ -85,6 +85,10 @@ class EagerScope {
   /// (once a pass) for its backward, reduced and released at its end.
   void unit_backward(int64_t root, int64_t unit);
 
+  /// The tied parameters a forward pass kept gathered for a backward that
+  /// has not unpacked them yet (any root): counted as kept in the stats.
+  std::set<int64_t> kept_for_backward() const;
+
   /// The backward of the gather a forward read of `root` made for `id` has
   /// run (its post hook): the backward hold on `id`, if any, is dropped.
   void release_backward_hold(int64_t root, int64_t id);
