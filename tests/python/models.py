@@ -165,3 +165,18 @@ class ThreeMoELayers(nn.Module):
         h = torch.tanh(self.layers[1](h))
         h = torch.tanh(self.layers[2](h))
         return self.out(h).pow(2).mean()
+
+
+def small_switch_transformers():
+    """A small HF SwitchTransformers: every MLP sparse (four experts), its
+    embedding tied to the encoder's and decoder's input and the output head,
+    the same weights on every rank."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, num_experts=4, expert_capacity=8, encoder_sparse_step=1,
+        decoder_sparse_step=1, router_jitter_noise=0.0, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0)
+    return SwitchTransformersForConditionalGeneration(config)

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import scenario
 from dist_harness import run_ranks
+from models import small_switch_transformers
 
 WIDTH, EXPERTS = 8, 3
 SKIPPED = []  # (step, expert) pairs a rank routed no token to, in this process
@@ -368,24 +369,10 @@ def test_routing_without_a_unit_raises_instead_of_aborting(mode):
         assert "the ranks diverged" in message and "ShardConfig.gather_units" in message, message
 
 
-def _switch_model():
-    """A small HF SwitchTransformers: every MLP sparse (four experts), the
-    same weights on every rank."""
-    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = SwitchTransformersConfig(
-        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
-        num_heads=2, num_experts=4, expert_capacity=8, encoder_sparse_step=1,
-        decoder_sparse_step=1, router_jitter_noise=0.0, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0)
-    return SwitchTransformersForConditionalGeneration(config)
-
-
 def _switch_transformer(rank, world, mode, units):
     import sharc
 
-    model = _switch_model()
+    model = small_switch_transformers()
     sharc.shard(model, config=sharc.ShardConfig(gather_units=units))
     step = torch.compile(model, backend="sharc") if mode == "compiled" else model
     losses = []
@@ -492,7 +479,7 @@ def _switch_gathers(rank, world, prefetch: bool):
     prefetches a step."""
     import sharc
 
-    model = _switch_model()
+    model = small_switch_transformers()
     sharc.shard(model, config=sharc.ShardConfig(gather_units=("*.mlp",)))
     options = {"profile": False}
     if not prefetch:
