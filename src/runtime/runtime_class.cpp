@@ -63,6 +63,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("set_settle_on_arrival", &sharc::Runtime::set_settle_on_arrival)
       .def("settle_all", &sharc::Runtime::settle_all)
       .def("set_deferred_reduction", &sharc::Runtime::set_deferred_reduction)
+      // Only a gather unit's members hold back their reductions.
+      .def("in_gather_unit", &sharc::Runtime::reduction_deferred)
       .def("set_eager_prefetch",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, bool enabled,
               std::vector<int64_t> excluded) {

@@ -71,9 +71,16 @@ def _facts(config: CompileConfig, lowered, group_name: str, collective: list[flo
     facts.budget_is_default = budget is None
     facts.collective_costs = collective
     facts.keep_for_backward = kind == "forward"
+    runtime = Runtime.for_group(group_name)
+    # A gather unit's members are never kept: the unit gathers them whole,
+    # forward and backward, skipping members still gathered. A graph inside
+    # the unit reads only the experts this rank routed to, so a keep there
+    # would leave different members gathered on each rank, and the unit's
+    # backward gather would differ between ranks (the ranks diverge).
     facts.keep_candidates = [s.ir_id for s in lowered.slots.values()
-                             if (s.group, s.pid) in read_in_backward]
-    facts.replicas = Runtime.for_group(group_name).replicate_size()  # hybrid sharding
+                             if (s.group, s.pid) in read_in_backward
+                             and not runtime.in_gather_unit(s.pid)]
+    facts.replicas = runtime.replicate_size()  # hybrid sharding
     return facts
 
 
