@@ -207,15 +207,7 @@ def _switch_rank(rank, world, mode):
                                 compile_options={"profile": mode == "compiled, profiled"})
 
 
-@pytest.mark.parametrize("mode", [
-    "eager",
-    "compiled",
-    pytest.param("compiled, profiled", marks=pytest.mark.xfail(strict=True, reason=(
-        "known bug, open: with compile-time profiling on (the default), a graph "
-        "an expert's routing makes one rank compile alone, at a new sequence "
-        "length, leads that rank to all-gather the expert's weights while the "
-        "other reduce-scatters: the ranks diverge (raised, not hung)"))),
-])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "compiled, profiled"])
 def test_hf_switch_transformers_with_its_tied_embedding_matches_single_process(mode):
     """The HF model reads its tied embedding eagerly between graph breaks
     (encoder, decoder, head), with its sparse MLPs as gather units routing
