@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -116,20 +117,21 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         sub.register_forward_pre_hook(schedule.forward_pre_hook)
         sub.register_forward_hook(schedule.forward_hook, always_call=True)
     for _, unit in units:
-        _install_unit(unit, runtime, root.refs_by_shard, schedule)
+        _install_unit(unit, root.refs_by_shard, schedule, config.unit_keep_bytes)
     if config.mixed_precision is not None:
         mixed_precision.install_casts(module, config.mixed_precision)
     RECOMPILE_ROOM.add(module)
     return module
 
 
-def _install_unit(unit: torch.nn.Module, runtime, refs_by_shard, schedule) -> None:
+def _install_unit(unit: torch.nn.Module, refs_by_shard, schedule, keep_bytes: int) -> None:
     refs = [refs_by_shard[id(shard)] for shard in unit.parameters()]  # shards by now, unique
     if not refs:
         return
     for ref in refs:
-        runtime.set_deferred_reduction(ref.pid, True)
-    index = schedule.add_unit(refs)
+        ref.runtime.set_deferred_reduction(ref.pid, True)
+    gathered = sum(math.prod(ref.shape) * ref.gather_dtype.itemsize for ref in refs)
+    index = schedule.add_unit(refs, keep=gathered <= keep_bytes)
     # Registered first, so the unit is gathered before any scope reads it.
     unit.register_forward_pre_hook(lambda *_: schedule.enter_unit(index), prepend=True)
     unit.register_forward_hook(lambda m, i, out: schedule.exit_unit(index, out),

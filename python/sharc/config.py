@@ -33,6 +33,15 @@ class ShardConfig:
     ModuleList `moe.experts`: shard() refuses that): see
     docs/design/eager-schedule.md, "Ranks that take different paths"."""
 
+    unit_keep_bytes: int = 1 << 20
+    """A gather unit whose parameters take at most this many bytes gathered
+    stays gathered from its forward to its backward: one all-gather a step
+    instead of two, for that many bytes held through the forward pass
+    (counted in memory_stats()["kept_gathered_bytes"]). Latency dominates
+    small units' gathers. The choice depends on the unit's size only, so
+    every rank makes the same one whatever its routing. 0: every unit is
+    released after its forward and gathered again for its backward."""
+
     verify_schedule: bool = False
     """Ranks that issue different collectives always raise, at the
     collective where they part (each collective carries every rank's
@@ -123,10 +132,11 @@ class ShardConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError("ShardConfig.rank_check_timeout_s must be a number of seconds > 0, "
                              f"got {timeout!r}")
-        size = self.eager_reduce_bucket_bytes
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError("ShardConfig.eager_reduce_bucket_bytes must be a whole number of "
-                             f"bytes >= 0, got {size!r}")
+        for name in ("eager_reduce_bucket_bytes", "unit_keep_bytes"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"ShardConfig.{name} must be a whole number of bytes >= 0, "
+                                 f"got {size!r}")
         for name in ("verify_replicas", "verify_schedule", "eager_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(

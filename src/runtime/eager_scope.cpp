@@ -65,12 +65,12 @@ void EagerScope::add_root(int64_t root, const std::vector<int64_t>& ids,
 }
 
 int64_t EagerScope::add_unit(int64_t root, const std::vector<int64_t>& ids,
-                             const std::vector<at::Tensor>& shards) {
+                             const std::vector<at::Tensor>& shards, bool keep) {
   SHARC_CHECK(ids.size() == shards.size(), "sharc: a gather unit of ", ids.size(),
               " parameters given ", shards.size(), " shards");
   std::lock_guard<std::mutex> lock(mutex_);
   Root& r = root_locked(root);
-  Unit unit{ids, {}};
+  Unit unit{ids, keep, {}};
   for (const at::Tensor& shard : shards) unit.shards.emplace_back(shard.getIntrusivePtr());
   r.units.push_back(std::move(unit));
   return static_cast<int64_t>(r.units.size()) - 1;
@@ -192,6 +192,10 @@ std::set<int64_t> EagerScope::kept_for_backward() const {
     for (int64_t id : r.kept_for_backward) {
       if (r.backward.find(id) != nullptr) kept.insert(id);
     }
+    for (int64_t unit : r.units_kept) {
+      const std::vector<int64_t>& ids = r.units.at(static_cast<size_t>(unit)).ids;
+      kept.insert(ids.begin(), ids.end());
+    }
   }
   return kept;
 }
@@ -202,6 +206,11 @@ std::vector<int64_t> EagerScope::drop_unclaimed_locked(Root& r) {
     if (r.backward.drop(id)) dropped.push_back(id);
   }
   r.kept_for_backward.clear();
+  for (int64_t unit : r.units_kept) {  // one hold on each member
+    const std::vector<int64_t>& ids = r.units.at(static_cast<size_t>(unit)).ids;
+    dropped.insert(dropped.end(), ids.begin(), ids.end());
+  }
+  r.units_kept.clear();
   return dropped;
 }
 
@@ -268,23 +277,39 @@ void EagerScope::gather_unit(int64_t root, int64_t unit, EagerPrefetch::UnitPass
   runtime_.wait_gather(ids);
 }
 
-void EagerScope::exit_unit(int64_t root, int64_t unit) {
+void EagerScope::exit_unit(int64_t root, int64_t unit, bool for_backward) {
   std::vector<int64_t> ids;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    ids = root_locked(root).units.at(static_cast<size_t>(unit)).ids;
+    Root& r = root_locked(root);
+    const Unit& u = r.units.at(static_cast<size_t>(unit));
+    ids = u.ids;
+    const bool recomputed = torch::autograd::get_current_graph_task_id() != -1;
+    std::vector<int64_t>& kept = r.units_kept;
+    if (u.keep && for_backward && !recomputed &&
+        std::find(kept.begin(), kept.end(), unit) == kept.end()) {
+      kept.push_back(unit);  // this hold is the backward's now
+      return;
+    }
   }
   for (int64_t id : ids) let_go(root, id);
 }
 
 void EagerScope::unit_backward(int64_t root, int64_t unit) {
+  bool kept = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const std::vector<int64_t>& reached = root_locked(root).units_in_backward;
+    Root& r = root_locked(root);
+    const std::vector<int64_t>& reached = r.units_in_backward;
     if (std::find(reached.begin(), reached.end(), unit) != reached.end()) return;
+    auto it = std::find(r.units_kept.begin(), r.units_kept.end(), unit);
+    if (it != r.units_kept.end()) {  // its forward hold is this backward's
+      r.units_kept.erase(it);
+      kept = true;
+    }
   }
   // Gathered whole, at the same point on every rank.
-  gather_unit(root, unit, EagerPrefetch::UnitPass::kBackward);
+  if (!kept) gather_unit(root, unit, EagerPrefetch::UnitPass::kBackward);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     root_locked(root).units_in_backward.push_back(unit);

@@ -90,8 +90,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
            })
       .def("eager_add_unit",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
-              std::vector<int64_t> ids, std::vector<at::Tensor> shards) {
-             return self->add_gather_unit(root, ids, shards);
+              std::vector<int64_t> ids, std::vector<at::Tensor> shards, bool keep) {
+             return self->add_gather_unit(root, ids, shards, keep);
            })
       .def("eager_enter",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root,
@@ -115,8 +115,9 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
              self->eager_scope().enter_unit(root, unit);
            })
       .def("eager_exit_unit",
-           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit) {
-             self->eager_scope().exit_unit(root, unit);
+           [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit,
+              bool for_backward) {
+             self->eager_scope().exit_unit(root, unit, for_backward);
            })
       .def("eager_unit_backward",
            [](const c10::intrusive_ptr<sharc::Runtime>& self, int64_t root, int64_t unit) {

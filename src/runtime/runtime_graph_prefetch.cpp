@@ -60,7 +60,7 @@ GatherOrder& Runtime::other_graph_order(int64_t graph_kind) {
 }
 
 int64_t Runtime::add_gather_unit(int64_t root, const std::vector<int64_t>& ids,
-                                 const std::vector<at::Tensor>& shards) {
+                                 const std::vector<at::Tensor>& shards, bool keep) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int64_t id : ids) {
@@ -68,7 +68,7 @@ int64_t Runtime::add_gather_unit(int64_t root, const std::vector<int64_t>& ids,
       backward_graphs_.exclude(id);
     }
   }
-  return eager_scope_.add_unit(root, ids, shards);
+  return eager_scope_.add_unit(root, ids, shards, keep);
 }
 
 void Runtime::start_graph_gather(int64_t graph_kind, const std::vector<int64_t>& ids,

@@ -53,7 +53,10 @@ def _train(rank, world, mode, prefetch, plan):
 
     torch.manual_seed(0)
     model = ThreeMoELayers(WIDTH, EXPERTS)
-    sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS, eager_prefetch=prefetch))
+    # Small units would stay gathered into backward (unit_keep_bytes): 0
+    # has backward gather them, ahead, as large ones are.
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS, eager_prefetch=prefetch,
+                                                unit_keep_bytes=0))
     seen = []
     _watch_units(model, sharded_root(model), seen)
     step_fn = torch.compile(model, backend="sharc") if mode == "compiled" else model

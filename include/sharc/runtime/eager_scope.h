@@ -49,8 +49,10 @@ class EagerScope {
   /// A gather unit of `root` (ShardConfig.gather_units): `ids` and their
   /// shards (the nn.Parameters, whose `.grad` the unit's reduction adds
   /// to). Returns its index for the unit events below.
+  /// `keep`: the unit keeps its forward hold until its backward (see
+  /// exit_unit).
   int64_t add_unit(int64_t root, const std::vector<int64_t>& ids,
-                   const std::vector<at::Tensor>& shards);
+                   const std::vector<at::Tensor>& shards, bool keep);
 
   /// A module of `root` begins its forward. `saves_elsewhere`: another
   /// saved-tensor hook pair is active, so sharc's own sees no save (read
@@ -78,15 +80,22 @@ class EagerScope {
 
   /// A gather unit's forward begins (blocking: one bucketed all-gather,
   /// unless started ahead, and one hold on each of its parameters), and
-  /// ends (the holds dropped).
+  /// ends: the holds are dropped, or, for a unit added with `keep` whose
+  /// output goes to a backward (`for_backward`), kept until the unit's
+  /// backward, which then gathers nothing. Every rank makes the same
+  /// choice: it depends on the unit's size and on whether the pass records
+  /// a backward, never on routing. A forward recomputed in backward keeps
+  /// nothing; a kept unit no backward reached is dropped when the next
+  /// forward pass begins.
   void enter_unit(int64_t root, int64_t unit);
-  void exit_unit(int64_t root, int64_t unit);
+  void exit_unit(int64_t root, int64_t unit, bool for_backward);
   /// The gradient of a unit's output arrived: the unit is gathered whole
   /// (once a pass) for its backward, reduced and released at its end.
   void unit_backward(int64_t root, int64_t unit);
 
-  /// The tied parameters a forward pass kept gathered for a backward that
-  /// has not unpacked them yet (any root): counted as kept in the stats.
+  /// The tied parameters and unit members a forward pass kept gathered for
+  /// a backward that has not used them yet (any root): counted as kept in
+  /// the stats.
   std::set<int64_t> kept_for_backward() const;
 
   /// The backward of the gather a forward read of `root` made for `id` has
@@ -103,6 +112,7 @@ class EagerScope {
  private:
   struct Unit {
     std::vector<int64_t> ids;
+    bool keep = false;  ///< kept from forward to backward (small units)
     /// The nn.Parameters, weakly: the model owns them (and their grads),
     /// and the runtime outlives models.
     std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> shards;
@@ -120,6 +130,9 @@ class EagerScope {
     bool saves_elsewhere = false;  ///< set at the outermost scope
     std::vector<Unit> units;
     std::vector<int64_t> units_in_backward;  ///< in the order backward reached them
+    /// Units a forward pass left gathered for their backward (one hold
+    /// on each member), not reached by backward yet.
+    std::vector<int64_t> units_kept;
   };
 
   Root& root_locked(int64_t root);
@@ -134,8 +147,9 @@ class EagerScope {
   /// The outermost scope of `r` closes: moves its holds on the tied
   /// parameters saved in the pass into the backward holds. Returns them.
   std::set<int64_t> keep_saved_tied_locked(Root& r);
-  /// A forward pass begins outside backward: the backward holds an earlier
-  /// pass kept and no backward took (a forward dropped without backward).
+  /// A forward pass begins outside backward: the backward holds and units
+  /// an earlier pass kept and no backward took (a forward dropped without
+  /// backward, or a unit whose output backward did not reach).
   std::vector<int64_t> drop_unclaimed_locked(Root& r);
   /// Gathers unit `unit` whole (one hold on each member), after starting
   /// it and the unit ahead of it in `pass`'s order (EagerPrefetch).

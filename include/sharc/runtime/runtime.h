@@ -424,9 +424,10 @@ class Runtime : public torch::CustomClassHolder {
   /// A gather unit of root `root` (EagerScope::add_unit): its members are
   /// gathered whole by the unit, on the ranks that enter it, so neither the
   /// eager nor the compiled graphs' gather orders record or start them
-  /// ([Note: gather order]). Returns the unit's index.
+  /// ([Note: gather order]). `keep`: kept gathered from its forward to its
+  /// backward (EagerScope::exit_unit). Returns the unit's index.
   int64_t add_gather_unit(int64_t root, const std::vector<int64_t>& ids,
-                          const std::vector<at::Tensor>& shards);
+                          const std::vector<at::Tensor>& shards, bool keep);
 
   /// What this group's collectives cost, measured on the first call (a
   /// few small collectives on the parameters' device, the same numbers on

@@ -297,10 +297,11 @@ class EagerSchedule:
         return full
 
     # -- gather units ---------------------------------------------------
-    def add_unit(self, refs: list[ShardedParamRef]) -> int:
-        """A gather unit's parameters; returns its index for the hooks."""
+    def add_unit(self, refs: list[ShardedParamRef], keep: bool = False) -> int:
+        """A gather unit's parameters; returns its index for the hooks.
+        `keep`: gathered from its forward to its backward (small units)."""
         return self._runtime.eager_add_unit(self._root, [r.pid for r in refs],
-                                            [r.shard for r in refs])
+                                            [r.shard for r in refs], keep)
 
     # Eager even inside compiled frames (a graph break at each unit): the
     # unit's collectives must run on every rank at the same point.
@@ -310,10 +311,11 @@ class EagerSchedule:
 
     @torch.compiler.disable
     def exit_unit(self, unit: int, output) -> None:
-        self._runtime.eager_exit_unit(self._root, unit)
         outputs = [t for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs and torch.is_grad_enabled():
+        for_backward = bool(outputs) and torch.is_grad_enabled()
+        self._runtime.eager_exit_unit(self._root, unit, for_backward)
+        if for_backward:
             # The gradient of the unit's output arrived: the runtime gathers
             # the unit for its backward and reduces it at the end of backward.
             torch.autograd.graph.register_multi_grad_hook(
