@@ -1087,10 +1087,11 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("graph_prefetch_calls", s.graph_prefetch_calls);
   out.insert("late_reductions", s.late_reductions);
   // What stays gathered by design: persistent parameters, between steps,
-  // and tied parameters the eager forward kept for backward (kept until
-  // their backward; [Note: eager holds]). And the room for collective headers that shard_bytes and gathered_bytes
-  // leave out: one header after each shard (add_param_locked), one per rank
-  // in each gathered buffer (claim_buffer_locked).
+  // and the tied parameters and small gather units the eager forward kept
+  // for backward (until their backward; [Note: eager holds]). And the room
+  // for collective headers that shard_bytes and gathered_bytes leave out:
+  // one header after each shard (add_param_locked), one per rank in each
+  // gathered buffer (claim_buffer_locked).
   int64_t kept = 0, headers = 0;
   for (size_t id = 0; id < params_.size(); ++id) {
     const auto& p = params_[id];
