@@ -263,8 +263,36 @@ void EagerScope::enter_unit(int64_t root, int64_t unit) {
   // A forward recomputed in backward (checkpointing) is not the forward
   // pass the unit order follows.
   const bool recomputed = torch::autograd::get_current_graph_task_id() != -1;
+  drop_changed_kept_unit(root, unit);
   gather_unit(root, unit, recomputed ? EagerPrefetch::UnitPass::kPlain
                                      : EagerPrefetch::UnitPass::kForward);
+}
+
+// The next forward pass's first scope drops what an earlier one kept
+// (drop_unclaimed_locked), but a unit can be entered before any scope of
+// its root opens (the root itself as the unit, a unit called directly) or
+// with none opening eagerly at all (a compiled root). Every rank writes
+// the same shards, so every rank drops alike.
+void EagerScope::drop_changed_kept_unit(int64_t root, int64_t unit) {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Root& r = root_locked(root);
+    if (std::find(r.units_kept.begin(), r.units_kept.end(), unit) == r.units_kept.end()) return;
+    ids = r.units.at(static_cast<size_t>(unit)).ids;
+  }
+  if (std::none_of(ids.begin(), ids.end(),
+                   [&](int64_t id) { return runtime_.shard_changed_since_gather(id); })) {
+    return;  // the same values: the kept hold serves this pass too
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<int64_t>& kept = root_locked(root).units_kept;
+    auto it = std::find(kept.begin(), kept.end(), unit);
+    if (it == kept.end()) return;
+    kept.erase(it);
+  }
+  for (int64_t id : ids) let_go(root, id);
 }
 
 void EagerScope::gather_unit(int64_t root, int64_t unit, EagerPrefetch::UnitPass pass) {

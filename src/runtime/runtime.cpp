@@ -1024,6 +1024,12 @@ bool Runtime::is_persistent(int64_t id) {
   return param(id).state.persistent();
 }
 
+bool Runtime::shard_changed_since_gather(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const ShardedParam& p = param(id);
+  return p.shard._version() != p.gathered_version;
+}
+
 std::vector<std::tuple<int64_t, int64_t>> Runtime::persistent_params() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::tuple<int64_t, int64_t>> out;

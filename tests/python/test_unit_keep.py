@@ -1,7 +1,8 @@
 """Small gather units stay gathered from forward to backward
 (ShardConfig.unit_keep_bytes): their backward gathers nothing, the bytes
 they hold are reported as kept, a forward dropped without backward leaves
-them only until the next forward, and training is bitwise the same as with
+them only until the next forward (and never serve it once the shards
+changed), and training is bitwise the same as with
 every unit released after its forward, on ranks whose routing differs,
 eager and compiled (where profiling is on, so the schedule keeps what it
 keeps: never a unit's members)."""
@@ -23,13 +24,13 @@ def _batch(step, rank):
     return torch.randn(4 + step % 2, 4, generator=g)
 
 
-def _train(rank, world, mode, keep_bytes):
+def _train(rank, world, mode, keep_bytes, units=UNITS):
     import sharc
 
     torch.manual_seed(0)
     model = ThreeMoELayers(WIDTH, EXPERTS)
     unit_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-    sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS, unit_keep_bytes=keep_bytes))
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=units, unit_keep_bytes=keep_bytes))
     fn = torch.compile(model, backend="sharc") if mode == "compiled" else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {"unit_bytes": unit_bytes, "losses": [], "kept_after_forward": [],
@@ -49,9 +50,13 @@ def _train(rank, world, mode, keep_bytes):
         dropped = fn(_batch(4, rank))
         out["kept_after_dropped"] = sharc.memory_stats()["kept_gathered_bytes"]
         del dropped
+        with torch.no_grad():  # the shards change while the units are kept
+            for p in model.parameters():
+                p.mul_(0.5)
         loss = fn(_batch(5, rank))
         loss.backward()
         opt.step()
+    out["last_loss"] = loss.item()
     out["after_last_step"] = _gathered_unit_members(model)
     out["params"] = sharc.full_state_dict(model)
     return out
@@ -84,6 +89,20 @@ def test_small_units_stay_gathered_for_backward_and_train_the_same(mode):
         assert k["after_step"] == [[]] * 4 and k["after_last_step"] == [], k
         units = k["kept_after_dropped"] - r["kept_after_dropped"]
         assert k["unit_bytes"] <= units < 1.1 * k["unit_bytes"], (k, r)
-        assert k["losses"] == r["losses"]
+        # The forward after the write reads the new values, not the kept ones.
+        assert k["losses"] == r["losses"] and k["last_loss"] == r["last_loss"], (k, r)
+        for name, value in k["params"].items():
+            assert torch.equal(value, r["params"][name]), name
+
+
+def test_the_root_as_a_unit_is_gathered_anew_after_its_shards_changed():
+    """The root as the unit enters the unit before any scope opens, so the
+    next forward's scope cannot drop what the dropped forward kept first:
+    the unit itself sees that its shards changed."""
+    kept = run_ranks(_train, 2, "eager", 1 << 20, ("",))
+    released = run_ranks(_train, 2, "eager", 0, ("",))
+    for k, r in zip(kept, released):
+        assert k["backward_gather_bytes"] == [0] * 4, k["backward_gather_bytes"]
+        assert k["losses"] == r["losses"] and k["last_loss"] == r["last_loss"], (k, r)
         for name, value in k["params"].items():
             assert torch.equal(value, r["params"][name]), name

@@ -151,6 +151,10 @@ class EagerScope {
   /// an earlier pass kept and no backward took (a forward dropped without
   /// backward, or a unit whose output backward did not reach).
   std::vector<int64_t> drop_unclaimed_locked(Root& r);
+  /// `unit` is entered while kept from an earlier pass whose backward never
+  /// came, and its shards changed since: the kept buffers hold the old
+  /// values, so they are let go and the unit is gathered anew.
+  void drop_changed_kept_unit(int64_t root, int64_t unit);
   /// Gathers unit `unit` whole (one hold on each member), after starting
   /// it and the unit ahead of it in `pass`'s order (EagerPrefetch).
   void gather_unit(int64_t root, int64_t unit, EagerPrefetch::UnitPass pass);

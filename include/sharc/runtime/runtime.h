@@ -397,6 +397,10 @@ class Runtime : public torch::CustomClassHolder {
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
   bool is_persistent(int64_t id);
+  /// Whether `id`'s shard was written since its last gather started (an
+  /// optimizer step, a write under no_grad): a buffer held since then has
+  /// the old values.
+  bool shard_changed_since_gather(int64_t id);
   /// Every persistent parameter's id and full bytes in its gather dtype:
   /// what stays gathered whichever graph runs (the scheduler's budget
   /// counts them in every graph).
