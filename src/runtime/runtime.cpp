@@ -49,9 +49,10 @@ void ShardedParam::renew_base() {
 }
 
 bool ShardedParam::is_stale() const {
-  return state.state() == ParamState::Gathered && state.holds() == 0 &&
-         shard._version() != gathered_version;
+  return state.state() == ParamState::Gathered && state.holds() == 0 && shard_changed();
 }
+
+bool ShardedParam::shard_changed() const { return shard._version() != gathered_version; }
 
 int64_t ShardedParam::full_bytes() const {
   return layout.padded_numel() * static_cast<int64_t>(base.element_size());
@@ -198,7 +199,7 @@ ShardedParam& Runtime::param(int64_t id) {
 bool Runtime::needs_gather(const ShardedParam& p, c10::ScalarType dtype) const {
   const ParamState s = p.state.state();
   if (s == ParamState::Sharded || s == ParamState::Released) return true;
-  SHARC_CHECK(s != ParamState::Gathering || p.shard._version() == p.gathered_version,
+  SHARC_CHECK(s != ParamState::Gathering || !p.shard_changed(),
               "sharc: '", p.name, "' is read from a gather that started before its shard last "
               "changed (an optimizer step or a write to the shard ran while the gather was in "
               "flight), so it would hold the old values. This is a sharc bug (a prefetch left "
@@ -1026,8 +1027,7 @@ bool Runtime::is_persistent(int64_t id) {
 
 bool Runtime::shard_changed_since_gather(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const ShardedParam& p = param(id);
-  return p.shard._version() != p.gathered_version;
+  return param(id).shard_changed();
 }
 
 std::vector<std::tuple<int64_t, int64_t>> Runtime::persistent_params() {

@@ -172,7 +172,7 @@ void Runtime::give_up_changed_ahead_locked(GatherOrder& order) {
     const ParamState s = p.state.state();
     const bool ours = s == ParamState::Gathering || (s == ParamState::Gathered &&
                                                      p.state.holds() == 0);
-    if (ours && p.shard._version() != p.gathered_version) {
+    if (ours && p.shard_changed()) {
       drop_unheld_locked(order.give_up_ahead());
       return;
     }

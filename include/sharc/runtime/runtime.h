@@ -121,6 +121,10 @@ struct ShardedParam {
 
   /// A persistent parameter kept gathered from a shard that has changed since.
   bool is_stale() const;
+  /// Whether the shard was written (an optimizer step, a write under
+  /// no_grad) since its last gather started: a buffer gathered or held
+  /// since then has the old values.
+  bool shard_changed() const;
 
   /// Bytes of the padded buffer in its current dtype.
   int64_t full_bytes() const;
@@ -397,9 +401,7 @@ class Runtime : public torch::CustomClassHolder {
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);
   bool is_persistent(int64_t id);
-  /// Whether `id`'s shard was written since its last gather started (an
-  /// optimizer step, a write under no_grad): a buffer held since then has
-  /// the old values.
+  /// ShardedParam::shard_changed of `id`.
   bool shard_changed_since_gather(int64_t id);
   /// Every persistent parameter's id and full bytes in its gather dtype:
   /// what stays gathered whichever graph runs (the scheduler's budget
