@@ -80,7 +80,17 @@ c10::intrusive_ptr<c10d::Work> ReplicateGroup::work(int64_t seq) const {
   return it == in_flight_.end() ? c10::intrusive_ptr<c10d::Work>() : it->second.work;
 }
 
+void ReplicateGroup::settle_before(int64_t seq) {
+  for (auto it = in_flight_.begin(); it != in_flight_.end() && it->first < seq; ++it) {
+    settle(it->first, it->second);
+  }
+  while (!arriving_.empty() && arriving_.begin()->first < seq) {
+    settle_arriving(arriving_.begin()->first);
+  }
+}
+
 at::Tensor ReplicateGroup::finish(int64_t seq) {
+  settle_before(seq);
   auto it = in_flight_.find(seq);
   SHARC_CHECK(it != in_flight_.end(), "sharc: no replicate all-reduce numbered ", seq,
               " is in flight in group '", comm_.group_name(), "'");

@@ -769,6 +769,8 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
                 " was waited on by two threads at once");
     if (!it->second.replicated) replicate_locked(it->second);
     if (it->second.replicate_seq >= 0) all_reduce = replicate_->work(it->second.replicate_seq);
+    // [Note: settle in order]: this wait blocks the host.
+    if (all_reduce && it->second.out.is_cpu()) replicate_->settle_before(it->second.replicate_seq);
   }
   const int64_t ns = all_reduce ? timed_wait(*all_reduce) : 0;  // outside the lock
   all_reduce.reset();

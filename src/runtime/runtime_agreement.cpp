@@ -109,6 +109,11 @@ void Runtime::settle_locked(int64_t seq) {
 // earlier reductions are waited for and settled before the backend's
 // error goes up, so a divergence among them is what this rank reports.
 // On a device a wait only orders streams, and headers settle on arrival.
+// The replicate group (hybrid sharding) has only all-reduces, started as
+// each bucket's reduce-scatter is waited on and waited on where the schedule
+// says, not always in start order: before a host wait on one, every earlier
+// one is settled (ReplicateGroup::settle_before), so a replica that raised
+// at an earlier all-reduce is never waited for at a later one.
 void Runtime::settle_before_locked(int64_t seq, bool gathers_only) {
   std::vector<int64_t> earlier;
   for (const auto& entry : unsettled_gathers_) {

@@ -416,3 +416,54 @@ def test_hosts_that_diverge_raise_when_settled_on_arrival():
     for rank, error in enumerate(run_ranks(_hosts_diverge_on_arrival, WORLD, timeout=120)):
         assert error is not None, f"rank {rank} did not raise"
         assert "the hosts diverged" in error, error
+
+
+def _replicas_diverge_at_an_all_reduce_left_in_flight(rank, world):
+    """Two all-reduces over the replicas in flight, waited out of their start
+    order (a schedule may wait a later bucket first). On the last lap the
+    second host reduces `b` where the first reduces `a` (its own shard group
+    agrees; only the replicas differ). The second host waits on that
+    all-reduce, judges it and raises; the first waits on the later one,
+    which the second host never starts."""
+    from sharc._library import Runtime
+
+    mesh = _mesh()
+    group = mesh.get_group("shard").group_name
+    rt = Runtime.for_group(group)
+    rt.set_replicate_group(mesh.get_group("replicate").group_name)
+    a = rt.register_param(torch.arange(8.0), "a")
+    b = rt.register_param(torch.arange(8.0) + 100, "b")
+    c = rt.register_param(torch.arange(6.0), "c")
+    ops = torch.ops.sharc
+
+    def start(param, numel):
+        token = ops.start_reduce_scatter([torch.ones(numel)], group, [param])
+        return ops.start_replicate_all_reduce(token, group, [param])
+
+    for _ in range(8):  # laps alike everywhere, until the schedule is known
+        first, later = start(a, 8), start(c, 6)
+        ops.wait_reduce_scatter(later, group, [c])
+        ops.wait_reduce_scatter(first, group, [a])
+    second_host = rank >= PER_HOST
+    mine = b if second_host else a
+    try:
+        first = start(mine, 8)
+        if second_host:
+            ops.wait_reduce_scatter(first, group, [mine])
+        else:
+            later = start(c, 6)
+            ops.wait_reduce_scatter(later, group, [c])
+            ops.wait_reduce_scatter(first, group, [mine])
+    except Exception as error:  # noqa: BLE001  (the message is the result)
+        return str(error)
+    return None
+
+
+def test_replicas_judge_an_earlier_all_reduce_before_waiting_on_a_later_one():
+    # Without that order the first host waits for an all-reduce the second
+    # never starts, and ends on gloo's "connection closed" (or its timeout)
+    # instead of the divergence.
+    messages = run_ranks(_replicas_diverge_at_an_all_reduce_left_in_flight, WORLD, timeout=120)
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} did not raise"
+        assert "the hosts diverged" in message, (rank, message)

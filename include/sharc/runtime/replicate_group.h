@@ -47,6 +47,12 @@ class ReplicateGroup {
   /// Waits (if not yet) and settles `seq`; throws where the replicas
   /// diverged. Returns the summed payload and forgets the collective.
   at::Tensor finish(int64_t seq);
+  /// Settles, oldest first, every all-reduce started before `seq`: called
+  /// before the host blocks on `seq` (see [Note: settle in order] in
+  /// runtime_agreement.cpp). A replica that judged an earlier one diverged
+  /// has raised and never starts `seq`; judging in start order makes this
+  /// replica raise too instead of waiting on it until the transport fails.
+  void settle_before(int64_t seq);
 
   /// Where an all-reduce is settled, as Runtime::set_settle_on_arrival
   /// says for the shard group: at its finish, or once its headers arrive
