@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "sharc/runtime/collective_headers.h"
@@ -653,6 +654,7 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
       sent.push_back(ids[i]);
       sent_grads.push_back(full_grads[i]);
     }
+    queue_reduce_held_back_locked();  // [Note: held back to the end]
     write_gradient_columns(input, sent, sent_grads);
     at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
     input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
@@ -934,6 +936,63 @@ int64_t Runtime::flush_unit(const std::vector<int64_t>& ids) {
     }
   }
   return start_reduce_scatter_locked(ids, grads, std::vector<bool>(ids.size(), false));
+}
+
+// [Note: held back to the end]
+// no_sync holds each full gradient back (`unreduced`; with replicate_only,
+// the shard sums in `unreplicated`) and the synced backward's reduction of
+// a parameter takes what was held. A parameter the last micro-batch does
+// not use (a branch taken earlier only) gets no reduction in that backward,
+// so what it held would be left out of this step and added into a later
+// one. So a synced reduction that finds anything held queues a call at the
+// end of its backward (the autograd graph task), after every reduction of
+// that backward started, where every parameter still holding something is
+// reduced in one collective (zeros where only the shard sums wait, whose
+// all-reduce then carries them), in parameter order. A gather unit's full
+// gradients are left to the unit's own reduction, which takes all of its
+// members whenever the unit ran. The set is rank-invariant when the ranks
+// ran the same code under no_sync; where they did not, the collective
+// agreement names the difference.
+void Runtime::queue_reduce_held_back_locked() {
+  if (!gradient_sync_ || !replicate_sync_) return;
+  if (accounting_.stats().unreduced_grad_bytes == 0 && unreplicated_bytes_ == 0) return;
+  const int64_t task = torch::autograd::get_current_graph_task_id();
+  if (task == -1 || task == held_back_task_) return;  // outside backward, or queued
+  c10::weak_intrusive_ptr<Runtime> weak = weak_self();
+  try {
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto runtime = weak.lock()) runtime->reduce_held_back();
+    });
+  } catch (const c10::Error&) {
+    return;
+  }
+  held_back_task_ = task;
+}
+
+void Runtime::reduce_held_back() {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!gradient_sync_ || !replicate_sync_) return;
+    for (size_t id = 0; id < params_.size(); ++id) {
+      const ShardedParam& p = *params_[id];
+      if ((p.unreduced.defined() && !p.deferred) || p.unreplicated.defined()) {
+        ids.push_back(static_cast<int64_t>(id));
+      }
+    }
+  }
+  if (ids.empty()) return;
+  const std::vector<at::Tensor> grads = wait_reduce_scatter(flush_unit(ids));
+  std::vector<at::Tensor> targets;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t id : ids) {
+      const ShardedParam& p = param(id);
+      at::Tensor read = p.read_as_shard ? at::Tensor(p.read_as_shard->lock()) : at::Tensor();
+      targets.push_back(read.defined() ? read : p.shard);
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) add_into_grad(targets[i], grads[i]);
 }
 
 at::Tensor Runtime::hand_out(ShardedParam& p) {

@@ -189,6 +189,70 @@ def test_no_sync_sends_a_third_of_the_reduce_scatter_bytes():
     assert last * MICRO == each
 
 
+class Branchy(Net):
+    """Net with a side branch that some micro-batches take and others skip
+    (every rank alike): what the branch's parameters held back under no_sync
+    must reach the step even when the last micro-batch skips it."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Linear(8, 8)
+
+    def forward(self, x, side: bool):
+        h = torch.relu(self.a(x))
+        if side:
+            h = h + self.side(h)
+        return self.c(torch.tanh(self.b(h)))
+
+
+def make_branchy():
+    torch.manual_seed(0)
+    return Branchy()
+
+
+def _sides(it):
+    """Which micro-batches take the side branch: the first only, then the
+    last only, so that it is held back, then reduced as usual."""
+    return [m == 0 if it == 0 else m == MICRO - 1 for m in range(MICRO)]
+
+
+def _accumulate_branch(rank, world, mode):
+    import sharc
+
+    model = make_branchy()
+    sharc.shard(model)
+    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads, held = [], []
+    for it in range(2):
+        for m, side in enumerate(_sides(it)):
+            with sharc.no_sync(model, enabled=m < MICRO - 1):
+                (step(*batch(it * MICRO + m, rank, world), side).pow(2).mean() / MICRO).backward()
+        grads.append(_grads(model))
+        held.append(sharc.memory_stats()["unreduced_grad_bytes"])
+        opt.step()
+        opt.zero_grad()
+    return grads, held, sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulation_keeps_what_a_branch_held_when_the_last_micro_batch_skips_it(mode):
+    results = run_ranks(_accumulate_branch, 2, mode)
+    ref = make_branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for it in range(2):
+        for m, side in enumerate(_sides(it)):
+            x = torch.cat([batch(it * MICRO + m, r, 2)[0] for r in range(2)])
+            (ref(x, side).pow(2).mean() / MICRO).backward()
+        _check_grads([r[0][it] for r in results], {n: p.grad for n, p in ref.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    for _, held, params in results:
+        assert held == [0, 0]
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
+
+
 # -- forwards without backward ------------------------------------------------------
 def _no_backward(rank, world, mode):
     import sharc

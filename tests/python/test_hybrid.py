@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from models import global_batch, make_optimizer, make_parity_model, rank_slice, train_single
+from models import (global_batch, make_optimizer, make_parity_model, rank_slice, shard_of,
+                    train_single)
 
 WORLD = 4
 HOSTS = 2
@@ -467,3 +468,46 @@ def test_replicas_judge_an_earlier_all_reduce_before_waiting_on_a_later_one():
     for rank, message in enumerate(messages):
         assert message is not None, f"rank {rank} did not raise"
         assert "the hosts diverged" in message, (rank, message)
+
+
+def _accumulate_skipping_b(rank, world, mode):
+    """Two micro-batches, the first through `b` and the last not (every rank
+    alike): what `b` held back (the full gradient, or with replicate_only its
+    shard sums) must reach this step's gradient, not a later one's."""
+    import sharc
+
+    torch.manual_seed(0)
+    model = _TwoPaths()
+    sharc.shard(model, mesh=_mesh())
+    group = model_group(model)
+    grads = []
+    for step in range(2):
+        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + 4 * m + rank))
+              for m in range(2)]
+        ctx = sharc.no_sync(model, replicate_only=mode == "replicate_only")
+        with ctx:
+            (model(xs[0], skip_b=step == 1) / 2).backward()
+        (model(xs[1], skip_b=step == 0) / 2).backward()
+        stats = sharc.memory_stats(group)
+        assert stats["unreduced_grad_bytes"] == 0 and stats["unreplicated_grad_bytes"] == 0, stats
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "replicate_only"])
+def test_accumulation_keeps_what_a_skipped_module_held(mode):
+    results = run_ranks(_accumulate_skipping_b, WORLD, mode)
+    torch.manual_seed(0)
+    ref = _TwoPaths()
+    for step in range(2):
+        for m in range(2):
+            for r in range(WORLD):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + 4 * m + r))
+                (ref(x, skip_b=step == (0 if m == 1 else 1)) / (2 * WORLD)).backward()
+        for rank, grads in enumerate(results):
+            shard = rank % PER_HOST
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(grads[step][name], shard_of(p.grad, shard, PER_HOST),
+                                           msg=lambda m, name=name: f"{mode} {name}: {m}")
+        ref.zero_grad()

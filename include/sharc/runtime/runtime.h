@@ -635,6 +635,14 @@ class Runtime : public torch::CustomClassHolder {
   std::deque<LateReduction> late_reductions_;
   int64_t late_reduction_bytes_ = 0;
   int64_t late_delivery_task_ = -1;
+  /// At the end of a synced backward: reduces, in one collective, what
+  /// no_sync held back for parameters this backward did not reduce (used
+  /// in an earlier micro-batch only), and adds it into their .grad
+  /// ([Note: held back to the end], runtime.cpp). Queued, once per
+  /// autograd graph task, by a synced reduction that finds anything held.
+  void queue_reduce_held_back_locked();
+  void reduce_held_back();
+  int64_t held_back_task_ = -1;
   /// Whether a forward graph continues the pass (begin_forward_graph).
   ForwardDataflow forward_dataflow_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
