@@ -34,7 +34,13 @@ def fingerprint(*parts: str | torch.Tensor) -> int:
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
         if isinstance(part, torch.Tensor):
-            raw = part.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+            flat = part.detach().reshape(-1).contiguous().cpu()
+            if flat.numel() == 1 and flat.stride(0) != 1:
+                # One element counts as contiguous whatever its stride (a
+                # (1,) view of a wider buffer keeps the buffer's), and a
+                # byte view needs stride 1.
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            raw = flat.view(torch.uint8)
             h.update(raw.numpy())
         else:
             h.update(part.encode())

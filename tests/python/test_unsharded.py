@@ -43,6 +43,25 @@ def test_writeback_reaches_the_shards():
         assert inside == 0 and after == 0  # copies of their own, not the runtime's buffers
 
 
+def _one_element_writeback(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    # A value head: its bias is one element, its full tensor a (1,) view of
+    # a padded buffer, whose stride is the buffer's.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    sharc.shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    with sharc.unsharded(model, writeback=True):
+        model[1].bias.fill_(3.0)
+    return sharc.full_state_dict(model)["1.bias"]
+
+
+def test_writeback_of_a_one_element_parameter():
+    for bias in run_ranks(_one_element_writeback, 2):
+        assert torch.equal(bias, torch.tensor([3.0]))
+
+
 def _errors(rank, world):
     import sharc
 
