@@ -82,6 +82,11 @@ class InitProgress:
             full = fresh(ref.shape, ref.shard.dtype, self.device)
         return torch.nn.Parameter(full, requires_grad=False), pid not in self.written
 
+    def gathered(self, pid: int) -> torch.Tensor | None:
+        """Parameter `pid`'s full values (collective, as in `full_value`),
+        or None while it has none."""
+        return self.runtime.read_full(pid) if pid in self.written else None
+
     def without_values(self) -> list[str]:
         return [ref.fqn for pid, ref in self.refs.items() if pid not in self.written]
 

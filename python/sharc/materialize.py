@@ -36,12 +36,25 @@ copy that is dropped (the draws still advance the stream, as they did).
 `post_init()` also runs before the tie. Step 2 runs on the tied model, as
 `self.apply()` after the tie does: every module's write lands.
 
+Cloned layers. torch's TransformerEncoder and TransformerDecoder fill their
+`layers` with deep copies of one layer the caller built: its values were
+drawn once, before the container, and every copy has them; the layer itself
+is not registered. So in step 1 `layers[0]` stands for that layer and is
+replayed where its subtree sits; each module of every later layer instead
+runs a unit that copies the values of its counterpart in `layers[0]`
+(parameters and buffers), drawing nothing (_init_clones.py names the
+containers that clone).
+
 Where the replay cannot match (docs/design/meta-init.md says what to do):
 a submodule built in another order than it is registered in, or built and
 then dropped; random values drawn in `__init__` outside `reset_parameters()`
 (`nn.Parameter(torch.randn(...))`: such a module has no initialiser and is
 refused unless `init_fn` covers it); a tie that hands an earlier module a
-later module's parameter; an `init_fn` pass that ran before the tie.
+later module's parameter; an `init_fn` pass that ran before the tie; a
+module of the user's that deep-copies submodules in its `__init__` (the
+replay draws for each copy); an initialiser that iterates its submodules'
+parameters (torch's Transformer: `self.parameters()` reaches their shards,
+not full tensors).
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ import functools
 
 import torch
 
-from sharc import _hf_init, _rank_check
+from sharc import _hf_init, _init_clones, _rank_check
 from sharc._init_unit import InitProgress
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
 from sharc._state import state_of
@@ -142,7 +155,13 @@ def _replay_construction(model: torch.nn.Module, progress: InitProgress) -> None
     def run_as_built(sub, fn):
         progress.run(sub, fn, as_constructed=True)
 
+    prototypes = _init_clones.prototypes(model)
     for sub in _construction_order(model):
+        prototype = prototypes.get(id(sub))
+        if prototype is not None:  # a deep copy: built with the values, drawing none
+            run_as_built(sub, functools.partial(_init_clones.copy_values, progress, sub,
+                                                prototype))
+            continue
         reset = _reset_method(sub)
         if reset is not None:
             run_as_built(sub, reset)

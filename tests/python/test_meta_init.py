@@ -250,3 +250,60 @@ def test_misuse_of_a_meta_built_model_says_what_and_how_to_fix():
             "dict")
         assert e["device"][0] == "ValueError"
         assert "ShardConfig.device is 'cuda' but parameter 'weight' is on 'cpu'" in e["device"][1]
+
+
+def _encoder(num_layers=3):
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, num_layers, norm=torch.nn.LayerNorm(8),
+                                       enable_nested_tensor=False)
+
+
+def _decoder(num_layers=2):
+    layer = torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerDecoder(layer, num_layers)
+
+
+def _encoder_with_a_replaced_layer():
+    """A layer replaced right after construction is no copy: it drew its own
+    values, after the copies were made; the layers around it still are."""
+    encoder = _encoder(3)
+    encoder.layers[1] = torch.nn.Linear(8, 8)
+    return torch.nn.Sequential(encoder, torch.nn.Linear(8, 5))
+
+
+CLONED_LAYERS = {  # name -> build; a head after the layers shows the stream was not shifted
+    "encoder": lambda: torch.nn.Sequential(_encoder(), torch.nn.Linear(8, 5)),
+    "decoder": lambda: torch.nn.Sequential(_decoder(), torch.nn.Linear(8, 5)),
+    "encoder_decoder": lambda: torch.nn.Sequential(_encoder(2), _decoder(3),
+                                                   torch.nn.Linear(8, 5)),
+    "replaced_layer": _encoder_with_a_replaced_layer,
+}
+
+
+def _cloned_layers_both_ways(rank, world):
+    import sharc
+
+    out = {}
+    for name, build in CLONED_LAYERS.items():
+        torch.manual_seed(1)
+        want = {k: v.clone() for k, v in build().state_dict().items()}
+        torch.manual_seed(1)
+        with torch.device("meta"):
+            meta = build()
+        sharc.shard(meta)
+        sharc.init_weights(meta)
+        got = sharc.full_state_dict(meta)
+        out[name] = (want, got)
+    return out
+
+
+def test_stock_transformer_layers_are_initialised_as_the_clones_they_were_built_as():
+    """nn.TransformerEncoder/Decoder deep-copy one layer: built normally, the
+    layers hold equal values drawn once, and later modules draw from the
+    stream after that one draw."""
+    for out in run_ranks(_cloned_layers_both_ways, 2):
+        differ = {}
+        for name, (want, got) in out.items():
+            assert list(got) == list(want), name
+            differ[name] = [k for k, v in want.items() if not torch.equal(got[k], v)]
+        assert differ == {name: [] for name in CLONED_LAYERS}
