@@ -145,6 +145,76 @@ def test_gpt_over_lengths_that_change_and_differ_between_ranks():
         assert r["graphs"] == [1, 2, 2, 2], r["graphs"]
 
 
+class _Encoder(nn.Module):
+    """torch's TransformerEncoderLayer between an embedding and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 12)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x)))
+
+
+def _encoder():
+    torch.manual_seed(0)
+    return _Encoder()
+
+
+# (batch, length) of each rank's input, step by step: a rank whose batch is
+# one sample, or one token long, or both (a last partial batch), beside one
+# whose is not. Size-1 dimensions compile graphs of their own, in which the
+# partitioner may recompute other forward values in backward.
+ONES = (((1, 1), (2, 1)), ((2, 3), (1, 1)), ((1, 2), (2, 2)), ((3, 1), (1, 4)), ((1, 1), (1, 1)))
+
+
+def _ones_loss(fn, step: int, rank: int):
+    batch, length = ONES[step][rank]
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 12, (batch, length), generator=g)
+    return F.cross_entropy(fn(x).flatten(0, 1), x.flatten())
+
+
+def _size_one_runs(rank, world):
+    import sharc
+
+    model = _encoder()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    fn = torch.compile(model, backend="sharc")
+    losses = []
+    for step in range(len(ONES)):
+        loss = _ones_loss(fn, step, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, gathered_beyond_kept(), sharc.full_state_dict(model)
+
+
+def test_ranks_with_size_one_inputs_beside_larger_ones_compiled():
+    # Before, rank 0's backward for a (1, 1) input gathered the second
+    # norm's bias again (its graph recomputed the norm) and rank 1's did not:
+    # "the ranks diverged" at the first step.
+    results = run_ranks(_size_one_runs, 2, timeout=600)
+    model = _encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(len(ONES)):
+        per_rank = [_ones_loss(model, step, r) for r in range(2)]
+        (sum(per_rank) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        for rank, (losses, _, _) in enumerate(results):
+            assert abs(losses[step] - per_rank[rank].item()) <= 1e-4 * abs(losses[step]) + 1e-5
+    for rank, (_, left, params) in enumerate(results):
+        assert left == 0
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+
+
 def _llama_runs(rank, world, checkpointing, group):
     return _train_sharded(rank, world, lambda: _HFLoss(_llama(checkpointing)), "compiled",
                           group)
