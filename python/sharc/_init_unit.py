@@ -9,13 +9,22 @@ that iterate `self.parameters()`). A parameter that already has values is
 gathered first (an initialiser may read or change only part of it); one
 without values starts as a fresh buffer filled with a sentinel. Parameters
 of other modules the initialiser reaches (a parent initialising a child's
-bias) join the unit on first read. On success each written parameter is
-scattered back: this rank keeps its slice, and the full tensors are dropped.
+bias) join the unit on first read, through the attribute or through the
+shard itself: an initialiser that walks `self.parameters()` reaches its
+submodules' shards, and a torch function mode hands it each one's full
+tensor instead (torch's Transformer initialises every matrix of its
+layers so, after they initialised themselves). On success each written
+parameter is scattered back: this rank keeps its slice, and the full
+tensors are dropped. The extra memory is the parameters the initialiser
+reached, all at once: one module's, or a whole subtree's for one that walks
+it.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from sharc._host_memory import give_back_freed_memory
 from sharc._state import state_of
@@ -52,6 +61,7 @@ class InitProgress:
         self.schedule = schedule
         self.device = device
         self.owners = owners  # parameter id -> the module that created it
+        self.pids_by_shard = {id(ref.shard): pid for pid, ref in self.refs.items()}
         self.written: set[int] = set()
 
     def run(self, module: torch.nn.Module, fn, as_constructed: bool) -> None:
@@ -64,7 +74,8 @@ class InitProgress:
         unit = _Unit(self, module, as_constructed)
         unit.open()
         try:
-            fn()
+            with _ShardsAsFull(unit):
+                fn()
         except BaseException:
             unit.close(write_back=False)
             raise
@@ -136,3 +147,25 @@ class _Unit(dict):
                 continue  # not this initialiser's parameter; it stays without values
             self.progress.runtime.load_full(pid, full)
             self.progress.written.add(pid)
+
+
+class _ShardsAsFull(TorchFunctionMode):
+    """While an initialiser runs: a shard it reaches (a submodule's
+    parameter, from `self.parameters()`) stands for its full tensor, which
+    joins the unit; every torch function and Tensor method or property
+    (`p.dim()`, `p.shape`, `nn.init.xavier_uniform_(p)`) gets that instead."""
+
+    def __init__(self, unit: _Unit):
+        super().__init__()
+        self.unit = unit
+
+    def _full(self, value):
+        if isinstance(value, torch.Tensor):
+            pid = self.unit.progress.pids_by_shard.get(id(value))
+            if pid is not None and self.unit.progress.refs[pid].shard is value:
+                return self.unit[pid]
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(self._full, (args, kwargs or {}))
+        return func(*args, **kwargs)

@@ -52,9 +52,7 @@ then dropped; random values drawn in `__init__` outside `reset_parameters()`
 refused unless `init_fn` covers it); a tie that hands an earlier module a
 later module's parameter; an `init_fn` pass that ran before the tie; a
 module of the user's that deep-copies submodules in its `__init__` (the
-replay draws for each copy); an initialiser that iterates its submodules'
-parameters (torch's Transformer: `self.parameters()` reaches their shards,
-not full tensors).
+replay draws for each copy).
 """
 
 from __future__ import annotations

@@ -277,6 +277,11 @@ CLONED_LAYERS = {  # name -> build; a head after the layers shows the stream was
     "encoder_decoder": lambda: torch.nn.Sequential(_encoder(2), _decoder(3),
                                                    torch.nn.Linear(8, 5)),
     "replaced_layer": _encoder_with_a_replaced_layer,
+    # Its _reset_parameters() walks self.parameters() after its layers
+    # initialised themselves, redrawing every matrix: it reaches their shards.
+    "transformer": lambda: torch.nn.Sequential(
+        torch.nn.Transformer(8, 2, 2, 2, 16, dropout=0.0, batch_first=True),
+        torch.nn.Linear(8, 5)),
 }
 
 
