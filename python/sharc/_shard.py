@@ -40,6 +40,15 @@ def _tied(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p, n in places.items() if n > 1]
 
 
+def _owners(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id of each parameter -> the first module holding it (the one whose
+    canonical name named_parameters() gives it)."""
+    owners: dict[int, torch.nn.Module] = {}
+    for sub, _, p in _owned_params(module):
+        owners.setdefault(id(p), sub)
+    return owners
+
+
 def _runtime(group) -> Runtime:
     return Runtime.for_group(group.group_name)
 
@@ -85,7 +94,9 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
 
     _validate.check_keep_gathered(config.keep_gathered, named)
     units = _validate.resolve_gather_units(module, config.gather_units)
-    dtypes = {p: mixed_precision.param_dtypes(fqn, p, config.mixed_precision) for fqn, p in named}
+    owners = _owners(module)
+    dtypes = {p: mixed_precision.param_dtypes(fqn, p, owners[id(p)], config.mixed_precision)
+              for fqn, p in named}
     runtime = _runtime(group)
     _mesh.attach(runtime, groups.replicate)
     if config.verify_schedule:

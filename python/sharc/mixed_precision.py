@@ -32,12 +32,27 @@ class MixedPrecision:
     output_dtype: torch.dtype | None = None
     """Floating-point outputs of the root module's forward are cast to it."""
 
+    full_precision_modules: tuple[type, ...] = (torch.nn.modules.batchnorm._BatchNorm,)
+    """Modules whose parameters keep their own dtype (gathered and reduced
+    in it) whatever `param_dtype` says. By default the batch norms: their
+    running statistics are buffers in the model's dtype, torch's kernels
+    take a narrow input beside wide weights and statistics but not narrow
+    weights beside wide statistics, and the statistics need the width. `()`
+    casts every module."""
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):
                 raise TypeError(f"MixedPrecision.{name} must be a torch.dtype (such as "
                                 f"torch.bfloat16) or None, got {value!r}")
+        modules = self.full_precision_modules
+        if not (isinstance(modules, tuple) and all(isinstance(m, type) and
+                                                  issubclass(m, torch.nn.Module)
+                                                  for m in modules)):
+            raise TypeError("MixedPrecision.full_precision_modules must be a tuple of "
+                            f"torch.nn.Module classes (such as (torch.nn.LayerNorm,)), got "
+                            f"{modules!r}")
         if self.output_dtype is not None and not self.output_dtype.is_floating_point:
             raise ValueError("MixedPrecision.output_dtype must be a floating-point dtype, got "
                              f"{self.output_dtype}")
@@ -52,12 +67,16 @@ class ParamDtypes:
     grad: torch.dtype
 
 
-def param_dtypes(fqn: str, p: torch.nn.Parameter, policy: MixedPrecision | None) -> ParamDtypes:
-    """The dtypes `policy` gives parameter `fqn`; ValueError naming it and
-    the fix when the policy would widen it or make it an integer."""
+def param_dtypes(fqn: str, p: torch.nn.Parameter, owner: torch.nn.Module,
+                 policy: MixedPrecision | None) -> ParamDtypes:
+    """The dtypes `policy` gives parameter `fqn` of module `owner`;
+    ValueError naming it and the fix when the policy would widen it or
+    make it an integer."""
     grad = p.grad_dtype if p.requires_grad else p.dtype
     if policy is None or not p.dtype.is_floating_point:
         return ParamDtypes(p.dtype, grad, grad)  # integer and bool parameters: never cast
+    if isinstance(owner, policy.full_precision_modules):
+        return ParamDtypes(p.dtype, grad, grad)
     for field in ("param_dtype", "reduce_dtype"):
         _check_narrowing(fqn, p.dtype, field, getattr(policy, field))
     gather = policy.param_dtype or p.dtype

@@ -545,3 +545,83 @@ def test_grad_scaler_skips_the_same_steps_on_every_rank(mode):
     assert h0[2][1] == h0[1][1] / 2  # the inf halved the scale
     for name in params0:
         assert torch.equal(params0[name], params1[name]), name
+
+
+class _ConvBN(nn.Module):
+    """A conv net with batch norms: their running statistics are fp32 buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 5)
+        self.bn1 = nn.BatchNorm1d(5)
+
+    def forward(self, x):
+        self.seen = {"conv": self.conv.weight.dtype, "bn": self.bn.weight.dtype}
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return self.bn1(self.fc(h))
+
+
+def _conv_bn_batch(step, rank):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 3, 6, 6, generator=g)
+
+
+def _conv_bn(rank, world, mode, modules):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _ConvBN()
+    policy = sharc.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
+    if modules is not None:
+        policy = sharc.MixedPrecision(param_dtype=BF16, full_precision_modules=modules)
+    sharc.shard(model, config=sharc.ShardConfig(mixed_precision=policy))
+    fn = model if mode == "eager" else torch.compile(model, backend="sharc")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    try:
+        for step in range(3):
+            loss = fn(_conv_bn_batch(step, rank)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    except RuntimeError as e:
+        return str(e)
+    return losses, model.seen, sharc.full_state_dict(model)
+
+
+def test_batch_norms_keep_their_dtype_eager_and_compiled():
+    """Batch norms are gathered in fp32 beside their fp32 running statistics
+    (torch's kernels take a bf16 input with fp32 weights, not bf16 weights
+    with fp32 statistics), in eager as in compiled mode, which agree."""
+    torch.manual_seed(0)
+    ref = _ConvBN()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        losses = [ref(_conv_bn_batch(step, r)).pow(2).mean() for r in range(2)]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        want.append([x.item() for x in losses])
+    for mode in ("eager", "compiled"):
+        for rank, (losses, seen, params) in enumerate(run_ranks(_conv_bn, 2, mode, None)):
+            assert seen == {"conv": BF16, "bn": torch.float32}, (mode, seen)
+            torch.testing.assert_close(losses, [w[rank] for w in want], rtol=LOSS_RTOL, atol=1e-3)
+            assert params["bn.running_mean"].dtype == torch.float32
+            assert params["bn.weight"].dtype == torch.float32
+    # Casting them too is torch's own error in eager mode (narrow weights,
+    # wide statistics).
+    error = run_ranks(_conv_bn, 2, "eager", ())[0]
+    assert isinstance(error, str) and "BFloat16" in error, error
+
+
+def test_full_precision_modules_must_be_module_classes():
+    import sharc
+
+    with pytest.raises(TypeError, match="full_precision_modules must be a tuple"):
+        sharc.MixedPrecision(full_precision_modules=(nn.BatchNorm1d, "LayerNorm"))
+    with pytest.raises(TypeError, match="full_precision_modules must be a tuple"):
+        sharc.MixedPrecision(full_precision_modules=nn.BatchNorm1d)
