@@ -86,6 +86,18 @@ def _errors(rank, world):
             errors[name] = "no error"
         except RuntimeError as e:
             errors[name] = str(e)
+    # The initialisers users call after construction: torch.nn.init hands
+    # the tensor over by keyword (`tensor=`), eye_ writes through `out=`,
+    # and a module's reset_parameters() calls them on its own attributes.
+    for name, write in (("init.normal_", lambda w: nn.init.normal_(w)),
+                        ("init.kaiming_uniform_", lambda w: nn.init.kaiming_uniform_(w)),
+                        ("init.eye_", lambda w: nn.init.eye_(w)),
+                        ("reset_parameters", lambda w: model[2].reset_parameters())):
+        try:
+            write(model[2].weight)
+            errors[name] = "no error"
+        except RuntimeError as e:
+            errors[name] = str(e)
     logged = model[2].weight
     errors["reads"] = (logged.norm().item() > 0, type(logged * 2) is torch.Tensor)
     errors["own_copy"] = type(logged.clone()) is torch.Tensor  # a clone is the user's own
@@ -113,6 +125,8 @@ def test_lost_or_diverging_writes_raise():
         assert "fill_ on it would change the copy only" in errors["data"]
         assert "zero_ on it would change the copy only" in errors["detach"]
         assert "__setitem__ on it would change the copy only" in errors["index"]
+        for name in ("init.normal_", "init.kaiming_uniform_", "init.eye_", "reset_parameters"):
+            assert "'2.weight' read outside forward is a copy" in errors[name], (name, errors)
         assert errors["reads"] == (True, True)  # reading it works, results are tensors
         assert errors["own_copy"]
         assert errors["sparse"]

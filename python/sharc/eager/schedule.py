@@ -179,17 +179,29 @@ class OutsideForwardCopy(torch.Tensor):
         name = getattr(func, "__name__", "")
         in_place = name in _WRITES or (name.endswith("_") and not name.startswith("_")
                                        and name not in _HARMLESS)
-        if in_place and args and isinstance(args[0], cls):
+        target = _first_tensor(args, kwargs)
+        if isinstance((kwargs or {}).get("out"), cls):  # torch.eye(n, out=w): a write too
+            in_place, target = True, kwargs["out"]
+        if in_place and isinstance(target, cls):
             raise RuntimeError(
-                f"sharc: '{args[0].sharc_fqn}' read outside forward is a copy of the sharded "
+                f"sharc: '{target.sharc_fqn}' read outside forward is a copy of the sharded "
                 f"parameter; {name} on it would change the copy only. To change parameters "
                 "after sharc.shard(), write them inside `with sharc.unsharded(model, "
                 "writeback=True):`, or load them with sharc.load_full_state_dict")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        if args and isinstance(args[0], cls):
-            return _views_as_copies(out, args[0])
+        if isinstance(target, cls):
+            return _views_as_copies(out, target)
         return out
+
+
+def _first_tensor(args, kwargs):
+    """The tensor an op acts on: its first argument, or, where every
+    argument came by keyword (torch.nn.init's functions hand theirs over as
+    `tensor=`), the first tensor among them."""
+    if args:
+        return args[0]
+    return next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
 
 
 def _views_as_copies(out, copy: OutsideForwardCopy):
