@@ -11,7 +11,7 @@ without values starts as a fresh buffer filled with a sentinel. Parameters
 of other modules the initialiser reaches (a parent initialising a child's
 bias) join the unit on first read, through the attribute or through the
 shard itself: an initialiser that walks `self.parameters()` reaches its
-submodules' shards, and a torch function mode hands it each one's full
+submodules' shards, and _shards_as_full.py's mode hands it each one's full
 tensor instead (torch's Transformer initialises every matrix of its
 layers so, after they initialised themselves). On success each written
 parameter is scattered back: this rank keeps its slice, and the full
@@ -23,10 +23,9 @@ it.
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from sharc._host_memory import give_back_freed_memory
+from sharc._shards_as_full import ShardsAsFull, shard_lookup
 from sharc._state import state_of
 
 _SENTINEL_BYTE = 0xFF  # NaN in every floating dtype, -1 in integer ones
@@ -61,7 +60,7 @@ class InitProgress:
         self.schedule = schedule
         self.device = device
         self.owners = owners  # parameter id -> the module that created it
-        self.pids_by_shard = {id(ref.shard): pid for pid, ref in self.refs.items()}
+        self.pid_of = shard_lookup(self.refs.values())
         self.written: set[int] = set()
 
     def run(self, module: torch.nn.Module, fn, as_constructed: bool) -> None:
@@ -74,7 +73,7 @@ class InitProgress:
         unit = _Unit(self, module, as_constructed)
         unit.open()
         try:
-            with _ShardsAsFull(unit):
+            with ShardsAsFull(unit.full_of_shard):
                 fn()
         except BaseException:
             unit.close(write_back=False)
@@ -116,6 +115,12 @@ class _Unit(dict):
     def __missing__(self, pid: int) -> torch.nn.Parameter:
         return self._target(pid)  # another module's parameter, reached by this one's init
 
+    def full_of_shard(self, tensor: torch.Tensor) -> torch.nn.Parameter | None:
+        """The full tensor a shard the initialiser reached stands for (it
+        joins the unit), or None for any other tensor."""
+        pid = self.progress.pid_of(tensor)
+        return None if pid is None else self[pid]
+
     def _target(self, pid: int) -> torch.nn.Parameter:
         full, is_fresh = self.progress.full_value(pid)
         self.targets[pid] = (full, full._version, is_fresh)
@@ -148,24 +153,3 @@ class _Unit(dict):
             self.progress.runtime.load_full(pid, full)
             self.progress.written.add(pid)
 
-
-class _ShardsAsFull(TorchFunctionMode):
-    """While an initialiser runs: a shard it reaches (a submodule's
-    parameter, from `self.parameters()`) stands for its full tensor, which
-    joins the unit; every torch function and Tensor method or property
-    (`p.dim()`, `p.shape`, `nn.init.xavier_uniform_(p)`) gets that instead."""
-
-    def __init__(self, unit: _Unit):
-        super().__init__()
-        self.unit = unit
-
-    def _full(self, value):
-        if isinstance(value, torch.Tensor):
-            pid = self.unit.progress.pids_by_shard.get(id(value))
-            if pid is not None and self.unit.progress.refs[pid].shard is value:
-                return self.unit[pid]
-        return value
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map(self._full, (args, kwargs or {}))
-        return func(*args, **kwargs)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from sharc import _rank_check
 from sharc._fingerprint import fingerprint
+from sharc._shards_as_full import ShardsAsFull, shard_lookup
 from sharc._state import sharded_root, state_of, unwrap_compiled
 
 
@@ -17,7 +18,10 @@ from sharc._state import sharded_root, state_of, unwrap_compiled
 def unsharded(module: torch.nn.Module, writeback: bool = False):
     """Inside, `module.<name>` is one full tensor per parameter, in the
     master dtype, the same tensor at every read (so `nn.init.*_`,
-    `.copy_()`, `.data.fill_()` act on it). With `writeback=True` each
+    `.copy_()`, `.data.fill_()` act on it); the shards that
+    `module.parameters()` yields stand for those full tensors in every
+    torch function and Tensor method (a loop `for p in model.parameters():
+    nn.init.normal_(p)` writes the full parameters). With `writeback=True` each
     parameter is scattered back into the shards on exit; without it, a
     parameter changed inside raises on exit (the change is discarded). Every
     rank must make the same changes: on exit with writeback the ranks
@@ -42,8 +46,11 @@ def unsharded(module: torch.nn.Module, writeback: bool = False):
     # By value, not version counter: writes through `.data` bump no counter.
     before = {pid: fingerprint(t) for pid, t in fulls.items()}
     schedule.unsharded = fulls
+    pid_of = shard_lookup(refs)
     try:
-        yield module
+        # model.parameters() still yields the shards: they stand for fulls.
+        with ShardsAsFull(lambda t: None if (pid := pid_of(t)) is None else fulls[pid]):
+            yield module
     finally:
         schedule.unsharded = None
     changed = [ref for ref in refs if fingerprint(fulls[ref.pid]) != before[ref.pid]]

@@ -62,6 +62,35 @@ def test_writeback_of_a_one_element_parameter():
         assert torch.equal(bias, torch.tensor([3.0]))
 
 
+def _reinit_by_parameters(rank, world):
+    import sharc
+
+    model = _model()
+    with sharc.unsharded(model, writeback=True):
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():  # the usual re-init loop
+            if name.endswith("weight"):
+                nn.init.normal_(p, std=0.02)
+            else:
+                p.zero_()
+    return shapes, sharc.full_state_dict(model)
+
+
+def test_a_loop_over_parameters_inside_unsharded_writes_the_full_parameters():
+    # model.parameters() yields the shards; inside unsharded() they stand
+    # for the full tensors, so the loop draws what it draws on one process.
+    want = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    torch.manual_seed(1)
+    for name, p in want.named_parameters():
+        with torch.no_grad():
+            nn.init.normal_(p, std=0.02) if name.endswith("weight") else p.zero_()
+    for shapes, full in run_ranks(_reinit_by_parameters, 2):
+        assert shapes == [(7, 5), (7,), (3, 7), (3,)]
+        for name, value in want.state_dict().items():
+            assert torch.equal(full[name], value), name
+
+
 def _errors(rank, world):
     import sharc
 

@@ -1,0 +1,53 @@
+"""A shard standing for its full parameter while user code runs on the full
+model outside training: `sharc.unsharded()` and the initialisers that
+`sharc.init_weights()` replays.
+
+Both give a module's parameters at full size where `module.<name>` reads.
+But `module.parameters()` and `named_parameters()` still yield the flat
+shards the optimizer holds, and a loop over them (`for p in
+model.parameters(): nn.init.normal_(p)`) would act on this rank's slice:
+the same random values in every rank's slice, or a shape error. While such
+code runs, this torch function mode hands every torch function and Tensor
+method or property (`p.dim()`, `p.shape`, `p.copy_(...)`) the shard's full
+tensor instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+
+class ShardsAsFull(TorchFunctionMode):
+    """`full_of(tensor)` is the full tensor a shard stands for, or None for
+    any other tensor."""
+
+    def __init__(self, full_of: Callable[[torch.Tensor], torch.Tensor | None]):
+        super().__init__()
+        self.full_of = full_of
+
+    def _full(self, value):
+        if isinstance(value, torch.Tensor):
+            full = self.full_of(value)
+            if full is not None:
+                return full
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(self._full, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def shard_lookup(refs) -> Callable[[torch.Tensor], int | None]:
+    """The parameter id of a tensor that is one of `refs`' shards (by
+    identity), else None."""
+    by_id = {id(ref.shard): ref for ref in refs}
+
+    def pid_of(tensor: torch.Tensor) -> int | None:
+        ref = by_id.get(id(tensor))
+        return ref.pid if ref is not None and ref.shard is tensor else None
+
+    return pid_of
