@@ -188,6 +188,8 @@ class _WritesInForward(nn.Module):
             w += 1
         elif self.how == "view":
             w.t()[0].zero_()
+        elif self.how == "embedding_max_norm":  # renormalises the rows it looks up, in place
+            x = x + nn.functional.embedding(torch.tensor([0, 1]), w, max_norm=0.1)
         return x @ w.t()
 
 
@@ -211,7 +213,7 @@ def _write_in_forward(rank, world, how, mode, grad):
 
 
 @pytest.mark.parametrize("mode,grad", [("eager", False), ("eager", True), ("compiled", True)])
-@pytest.mark.parametrize("how", ["method", "operator", "view"])
+@pytest.mark.parametrize("how", ["method", "operator", "view", "embedding_max_norm"])
 def test_a_write_to_a_gathered_parameter_inside_forward_raises(how, mode, grad):
     torch.manual_seed(0)
     initial = nn.Linear(5, 5).weight.detach()

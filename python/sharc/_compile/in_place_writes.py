@@ -6,7 +6,9 @@ view too) would change this call's computation and never the parameter.
 Eager sharc reports it at the release, from the tensor's version counter;
 a compiled graph has no such counter (AOTAutograd turns the write into a new
 value), so the Dynamo graph is checked before it is compiled: an in-place op
-whose target shares storage with a gather's value is refused.
+whose target shares storage with a gather's value is refused, and so is
+`F.embedding(..., max_norm=...)` on one (it renormalises the rows it looks up
+in place: `nn.Embedding(max_norm=...)`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,7 @@ def refuse_writes_to_gathered(gm: fx.GraphModule) -> None:
             if isinstance(value, torch.Tensor):
                 gathered[StorageWeakRef(value.untyped_storage())] = node.name
             continue
-        if not _writes_in_place(node) or not node.args:
-            continue
-        target = node.args[0]
+        target = _written_in_place(node)
         target_value = target.meta.get("example_value") if isinstance(target, fx.Node) else None
         if isinstance(target_value, torch.Tensor) and \
                 StorageWeakRef(target_value.untyped_storage()) in gathered:
@@ -50,6 +50,26 @@ def refuse_writes_to_gathered(gm: fx.GraphModule) -> None:
                 "and is lost when the gathered value is released. Change parameters outside "
                 "forward, on every rank, inside `with sharc.unsharded(model, "
                 "writeback=True):`, or compute with a changed copy (`w = self.weight * s`)")
+
+
+def _written_in_place(node: fx.Node):
+    """The argument `node` writes in place, or None."""
+    if _writes_in_place(node) and node.args:
+        return node.args[0]
+    if _renorms_embedding(node):  # F.embedding(idx, w, max_norm=...) rescales rows of w
+        return node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    return None
+
+
+def _renorms_embedding(node: fx.Node) -> bool:
+    # By name: Dynamo may record a wrapper of torch.nn.functional.embedding.
+    if node.op != "call_function" or (getattr(node.target, "__module__", None),
+                                       getattr(node.target, "__name__", None)) != \
+            ("torch.nn.functional", "embedding"):
+        return False
+    # embedding(input, weight, padding_idx, max_norm, ...)
+    max_norm = node.args[3] if len(node.args) > 3 else node.kwargs.get("max_norm")
+    return max_norm is not None
 
 
 def _writes_in_place(node: fx.Node) -> bool:
@@ -66,6 +86,8 @@ def _writes_in_place(node: fx.Node) -> bool:
 
 
 def _op_name(node: fx.Node) -> str:
+    if _renorms_embedding(node):
+        return "embedding with max_norm, which rescales rows of its weight in place"
     return str(node.target) if node.op == "call_method" else getattr(
         node.target, "__name__", str(node.target))
 
