@@ -164,7 +164,7 @@ def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):
     named = list(module.named_modules())
     units = []
     for pattern in patterns:
-        hits = [(n, m) for n, m in named if fnmatch.fnmatchcase(n, pattern)]
+        hits = _outermost([(n, m) for n, m in named if fnmatch.fnmatchcase(n, pattern)])
         if not hits:
             raise ValueError(f"ShardConfig.gather_units names {pattern!r}, which matches no "
                              "module; use names from module.named_modules(), e.g. "
@@ -178,6 +178,15 @@ def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):
                 raise ValueError(f"ShardConfig.gather_units: unit '{inner}' lies inside unit "
                                  f"'{outer}'; name only the outer one")
     return units
+
+
+def _outermost(hits):
+    """The matches of one pattern that lie inside no other match of it: `*`
+    also matches dots, so "blocks.*" matches each block and every module
+    inside it, and the user means the blocks."""
+    names = [n for n, _ in hits]
+    return [(n, m) for n, m in hits
+            if not any(o != n and (o == "" or n.startswith(o + ".")) for o in names)]
 
 
 def _never_called(module: torch.nn.Module) -> bool:

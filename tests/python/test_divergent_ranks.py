@@ -130,6 +130,29 @@ def test_a_unit_that_is_never_called_is_refused_naming_its_caller():
         assert "'scales', a ParameterList" in scales and scales.endswith("the root module ('')")
 
 
+def test_a_pattern_names_its_outermost_matches_and_nested_units_are_refused():
+    """`*` also matches dots: "blocks.*" matches each block and the modules
+    inside it, and names the blocks (their experts ModuleList too would be
+    refused as never called). Two patterns naming a unit and one inside it
+    are refused."""
+    from sharc._validate import resolve_gather_units
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(4)
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            return self.experts[0](self.ln(x))
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(Block() for _ in range(2))
+    assert [n for n, _ in resolve_gather_units(model, ("blocks.*",))] == ["blocks.0", "blocks.1"]
+    with pytest.raises(ValueError, match="unit 'blocks.0.ln' lies inside unit 'blocks.0'"):
+        resolve_gather_units(model, ("blocks.*", "blocks.0.ln"))
+
+
 # -- a rank that takes another path, caught by verify_schedule ------------------------
 class _Skipper(torch.nn.Module):
     """Rank 1 skips the middle layer: a bug, not routing."""
