@@ -239,6 +239,12 @@ def _shard_misuse(rank, world):
     state["bias"] = [0.0, 0.0, 0.0]
     attempt("load_list", lambda: sharc.load_full_state_dict(lin, state), TypeError)
     attempt("cast", lambda: lin.to(torch.float64), RuntimeError)
+    # A buffer in a module before the sharded one: refused before it changes.
+    with_buffer = torch.nn.Sequential(torch.nn.BatchNorm1d(3, affine=False),
+                                      torch.nn.Linear(3, 3))
+    sharc.shard(with_buffer)
+    attempt("cast_root", lambda: with_buffer.double(), RuntimeError)
+    errors["buffer_after"] = str(with_buffer[0].running_mean.dtype)
     return errors
 
 
@@ -270,6 +276,8 @@ def test_shard_misuse():
             "TypeError", "load_full_state_dict: 'bias' is a list, not a tensor; pass the full "
             "tensors (e.g. from sharc.full_state_dict or an unsharded model's state_dict())")
         assert "mixed precision" in errors["cast"][1]
+        assert "cannot move or cast the sharded parameter '1.weight'" in errors["cast_root"][1]
+        assert errors["buffer_after"] == "torch.float32"  # nothing half-cast
 
 
 # --------------------------------------------------- clip_grad_norm_()

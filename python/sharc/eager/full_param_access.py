@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from sharc._state import ModuleState, attach
+from sharc._state import ModuleState, attach, state_of
 
 
 def _full_param_property(name: str) -> property:
@@ -48,9 +48,13 @@ def never_a_frame_of_its_own(fn) -> None:
 
 def _apply(module: torch.nn.Module, fn, recurse: bool = True):
     """Module._apply (behind .to(), .float(), .cuda(), ...) on a sharded
-    module: refused before anything changes if it would change a shard's
-    dtype or device, which the runtime registered and gathers into."""
-    for ref in module._sharc.refs.values():
+    module: refused before anything changes (a buffer anywhere below
+    included) if it would change the dtype or device of a shard in the
+    subtree, which the runtime registered and gathers into."""
+    subtree = module.modules() if recurse else [module]
+    refs = [ref for sub in subtree if (state := state_of(sub)) is not None
+            for ref in state.refs.values()]
+    for ref in refs:
         shard = ref.shard
         probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
         if probe.dtype != shard.dtype or probe.device != shard.device:
