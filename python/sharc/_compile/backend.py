@@ -65,7 +65,13 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
         fx_pipeline.run(kind, graph_module, compilation)
         if kind != "backward":
             forward_groups.extend(filter(None, [gathered_group(graph_module.graph)]))
-        return compile_fx_inner(graph_module, inputs, **kwargs)
+        # AOTAutograd compiles a backward graph lazily, at the first
+        # backward, outside the `with` below: the settings are patched here
+        # again, so that they hold for it too and its FX graph cache key
+        # carries the joint pass's uuid (without it a backward compiled by
+        # an older sharc was a cache hit).
+        with inductor_config.patch(settings):
+            return compile_fx_inner(graph_module, inputs, **kwargs)
 
     # Inductor's FX graph cache stays on (see [Note: sharc and Inductor's
     # caches]); AOTAutograd's cache is keyed by the graph before sharc
@@ -73,9 +79,9 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
     # Inductor's peak-memory reordering cannot see the runtime's gathered
     # buffers: it hoisted every start_gather (inputs: shards only) to the top
     # of a graph, gathering the whole model at once; sharc's passes order them.
-    with inductor_config.patch(joint_custom_post_pass=joint_pass,
-                               reorder_for_peak_memory=False,
-                               autotune_local_cache=False), \
+    settings = dict(joint_custom_post_pass=joint_pass, reorder_for_peak_memory=False,
+                    autotune_local_cache=False)
+    with inductor_config.patch(settings), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
     return in_pass_order(compiled, forward_groups, compilation.config)
