@@ -25,7 +25,8 @@ def no_sync(module: torch.nn.Module, enabled: bool = True, *, replicate_only: bo
     1/N of the reduce-scatter traffic, for one full-size gradient per
     parameter held between micro-batches. Every rank must use it alike.
     A parameter the synced backward does not reach (used by an earlier
-    micro-batch only) has what it held reduced at that backward's end.
+    micro-batch only) has what it held reduced at that backward's end (a
+    synced backward that reduces any gradient at all).
 
     Hybrid sharding: `no_sync` defers both the reduce-scatter and the
     replicate all-reduce. With `replicate_only=True` only the all-reduce

@@ -9,7 +9,8 @@ model.parameters(): nn.init.normal_(p)`) would act on this rank's slice:
 the same random values in every rank's slice, or a shape error. While such
 code runs, this torch function mode hands every torch function and Tensor
 method or property (`p.dim()`, `p.shape`, `p.copy_(...)`) the shard's full
-tensor instead.
+tensor instead, except what a shard shares with it or owns as the
+optimizer's parameter (dtype and device; `requires_grad`, `.grad`, hooks).
 """
 
 from __future__ import annotations
@@ -19,6 +20,24 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+
+# What a shard shares with its full tensor, or what belongs to the shard the
+# optimizer holds (autograd's metadata: freezing it, its gradient, its
+# hooks): these reach the shard itself.
+_THE_SHARDS_OWN = frozenset({
+    "dtype", "device", "layout", "is_cuda", "is_cpu", "is_meta", "is_leaf", "grad_fn",
+    "requires_grad", "requires_grad_", "grad", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "retains_grad"})
+
+
+def _name(func) -> str:
+    """A function's name; a property's (`p.grad`, `p.requires_grad = x`)
+    for its getter and setter."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
 
 
 class ShardsAsFull(TorchFunctionMode):
@@ -37,7 +56,9 @@ class ShardsAsFull(TorchFunctionMode):
         return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map(self._full, (args, kwargs or {}))
+        kwargs = kwargs or {}
+        if _name(func) not in _THE_SHARDS_OWN:
+            args, kwargs = tree_map(self._full, (args, kwargs))
         return func(*args, **kwargs)
 
 

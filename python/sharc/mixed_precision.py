@@ -33,8 +33,8 @@ class MixedPrecision:
     """Floating-point outputs of the root module's forward are cast to it."""
 
     full_precision_modules: tuple[type, ...] = (torch.nn.modules.batchnorm._BatchNorm,)
-    """Modules whose parameters keep their own dtype (gathered and reduced
-    in it) whatever `param_dtype` says. By default the batch norms: their
+    """Modules whose parameters are gathered in their own dtype whatever
+    `param_dtype` says (their gradients are reduced like every other). By default the batch norms: their
     running statistics are buffers in the model's dtype, torch's kernels
     take a narrow input beside wide weights and statistics but not narrow
     weights beside wide statistics, and the statistics need the width. `()`
@@ -75,12 +75,14 @@ def param_dtypes(fqn: str, p: torch.nn.Parameter, owner: torch.nn.Module,
     grad = p.grad_dtype if p.requires_grad else p.dtype
     if policy is None or not p.dtype.is_floating_point:
         return ParamDtypes(p.dtype, grad, grad)  # integer and bool parameters: never cast
-    if isinstance(owner, policy.full_precision_modules):
-        return ParamDtypes(p.dtype, grad, grad)
     for field in ("param_dtype", "reduce_dtype"):
         _check_narrowing(fqn, p.dtype, field, getattr(policy, field))
     gather = policy.param_dtype or p.dtype
     reduce = policy.reduce_dtype or policy.param_dtype or grad
+    if isinstance(owner, policy.full_precision_modules):
+        # Gathered in its own dtype; reduced as every other gradient, so a
+        # bucket it shares is not widened (all of it sent at the wider size).
+        gather = p.dtype
     return ParamDtypes(gather, reduce, grad)
 
 

@@ -90,7 +90,6 @@ void ReplicateGroup::settle_before(int64_t seq) {
 }
 
 at::Tensor ReplicateGroup::finish(int64_t seq) {
-  settle_before(seq);
   auto it = in_flight_.find(seq);
   SHARC_CHECK(it != in_flight_.end(), "sharc: no replicate all-reduce numbered ", seq,
               " is in flight in group '", comm_.group_name(), "'");

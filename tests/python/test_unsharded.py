@@ -74,7 +74,9 @@ def _reinit_by_parameters(rank, world):
                 nn.init.normal_(p, std=0.02)
             else:
                 p.zero_()
-    return shapes, sharc.full_state_dict(model)
+                p.requires_grad_(False)  # autograd's flags are the shard's own
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    return shapes, sharc.full_state_dict(model), frozen
 
 
 def test_a_loop_over_parameters_inside_unsharded_writes_the_full_parameters():
@@ -85,8 +87,9 @@ def test_a_loop_over_parameters_inside_unsharded_writes_the_full_parameters():
     for name, p in want.named_parameters():
         with torch.no_grad():
             nn.init.normal_(p, std=0.02) if name.endswith("weight") else p.zero_()
-    for shapes, full in run_ranks(_reinit_by_parameters, 2):
+    for shapes, full, frozen in run_ranks(_reinit_by_parameters, 2):
         assert shapes == [(7, 5), (7,), (3, 7), (3,)]
+        assert frozen == ["0.bias", "2.bias"]
         for name, value in want.state_dict().items():
             assert torch.equal(full[name], value), name
 
