@@ -59,7 +59,9 @@ def memory_stats(group=None) -> dict[str, int]:
     graph_prefetch_calls (gathers compiled graphs started for the next one)
     and late_reductions (reductions compiled backward graphs on the host
     left in flight, their gradients added into .grad later; see
-    docs/design/compiled-schedule.md), and the
+    docs/design/compiled-schedule.md) with late_grads_in_place (of those
+    shard gradients, the ones written straight into a .grad that was the
+    zeros the graph returned, instead of added), and the
     collective headers by which the ranks agree on every collective:
     header_bytes (room for them in the gathered buffers, beyond
     gathered_bytes), header_sent_bytes (since the last reset) and

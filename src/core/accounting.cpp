@@ -47,6 +47,7 @@ void MemoryAccounting::on_reduce_wait(int64_t ns) { stats_.reduce_wait_ns += ns;
 
 void MemoryAccounting::on_graph_prefetch() { ++stats_.graph_prefetch_calls; }
 void MemoryAccounting::on_late_reduction() { ++stats_.late_reductions; }
+void MemoryAccounting::on_late_grad_in_place() { ++stats_.late_grads_in_place; }
 
 void MemoryAccounting::on_header_sent(int64_t bytes) { stats_.header_sent_bytes += bytes; }
 
@@ -61,6 +62,7 @@ void MemoryAccounting::reset() {
   stats_.reduce_scatter_calls = 0;
   stats_.graph_prefetch_calls = 0;
   stats_.late_reductions = 0;
+  stats_.late_grads_in_place = 0;
   stats_.header_sent_bytes = 0;
   stats_.agreement_calls = 0;
   stats_.peak_gathered_bytes = stats_.gathered_bytes;

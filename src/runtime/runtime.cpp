@@ -16,6 +16,7 @@
 
 #include "sharc/runtime/collective_headers.h"
 #include "sharc/runtime/device_storage.h"
+#include "sharc/runtime/row_sum.h"
 #include "sharc/core/error.h"
 
 namespace sharc {
@@ -663,7 +664,11 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     pending.out = pending.wire.narrow(0, 0, columns + 1);
     pending.seq = issue.seq;
     unsettled_reductions_[issue.seq] = token;
-    pending.work = comm_.reduce_scatter_sum(pending.wire, pending.input);
+    // On the host (flat sharding) the shard columns stay unsummed until
+    // the wait sums them straight into the shard gradients; the replicas'
+    // all-reduce and a device take the summed bucket.
+    const int64_t summed_from = replicate_ || !input.is_cpu() ? 0 : columns;
+    pending.work = comm_.reduce_scatter_sum(pending.wire, pending.input, summed_from);
     accounting_.on_reduce_scatter_sent((world - 1) * static_cast<int64_t>(pending.out.nbytes()));
     accounting_.on_header_sent((world - 1) * CollectiveHeader::kBits *
                                static_cast<int64_t>(pending.out.element_size()));
@@ -700,6 +705,7 @@ void Runtime::finish_reduce_scatter(int64_t token) {
     }
     throw;
   }
+  at::Tensor rows = Communicator::take_unsummed_rows(*work);
   work.reset();
   std::lock_guard<std::mutex> lock(mutex_);
   accounting_.on_reduce_wait(ns);
@@ -707,6 +713,7 @@ void Runtime::finish_reduce_scatter(int64_t token) {
   SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
               " was waited on by two threads at once");
   if (!it->second.work) return;
+  if (rows.defined()) it->second.rows = std::move(rows);
   settle_reduction_locked(it->second);  // may raise: the ranks diverged
   // Its input goes with the work; `out` (a view of the wire) stays.
   release_waited(it->second.work);
@@ -760,7 +767,8 @@ void Runtime::replicate_locked(PendingReduction& pending) {
   pending.replicate_seq = replicate_->start(pending.ids, sums, verify_schedule_);
 }
 
-std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
+std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
+                                                      const std::vector<at::Tensor>& into) {
   RECORD_FUNCTION("sharc::wait_reduce_scatter", std::vector<c10::IValue>());
   finish_reduce_scatter(token);
   c10::intrusive_ptr<c10d::Work> all_reduce;
@@ -790,42 +798,73 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token) {
       pending.replicas = replicate_->world_size();
     }
   }
-  // Averaged over every rank that summed into it: the shard group, times
-  // the replicas where the all-reduce ran (so hybrid averages as flat does).
-  at::Tensor out = pending.out.div_(comm_.world_size() * pending.replicas);
-  // A non-finite gradient on any rank makes every rank's shard gradients
-  // NaN: an inf that lands in one rank's shard would otherwise let a loss
-  // scaler skip the step there and take it elsewhere, and the ranks' models
-  // would part. (Without sharding every rank would see the inf.)
-  // Poisoned once, over the whole bucket (one kernel, not one per member).
-  // On the host the flag is read first: a masked fill is a pass over every
-  // reduced element each step (1.5 ms a step on the small benchmark GPT),
-  // for a flag that is almost never set.
-  if (out.numel() > 0) {
-    at::Tensor flag = out.narrow(0, out.numel() - 1, 1);
-    if (!out.is_cpu()) {
-      out.masked_fill_(flag.gt(0), std::numeric_limits<double>::quiet_NaN());
-    } else if (flag.item<double>() > 0) {
-      out.fill_(std::numeric_limits<double>::quiet_NaN());
-    }
-  }
-  // Each shard gradient gets storage of its own: compilers assume a kernel's
-  // outputs are separate, aligned buffers.
+  // Each shard gradient gets storage of its own (or the caller's): compilers
+  // assume a kernel's outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
   std::vector<at::Tensor> sent;
   std::vector<int64_t> sent_widths;
   for (size_t i = 0; i < pending.widths.size(); ++i) {
-    const at::TensorOptions options = out.options().dtype(pending.dtypes[i]);
+    const at::TensorOptions options = pending.out.options().dtype(pending.dtypes[i]);
     if (pending.held[i]) {
       shards.push_back(at::zeros({pending.widths[i]}, options));
       continue;
     }
-    shards.push_back(at::empty({pending.widths[i]}, options));
+    const bool given = i < into.size() && into[i].defined();
+    shards.push_back(given ? into[i] : at::empty({pending.widths[i]}, options));
     sent.push_back(shards.back());
     sent_widths.push_back(pending.widths[i]);
   }
-  copy_out_of_sums(out, sent, sent_widths);
+  // Averaged over every rank that summed into it: the shard group, times
+  // the replicas where the all-reduce ran (so hybrid averages as flat does).
+  const int64_t divisor = comm_.world_size() * pending.replicas;
+  if (pending.rows.defined()) {
+    sum_rows_into_shards(pending, sent, sent_widths, divisor);
+  } else {
+    divide_sums_into_shards(pending.out, sent, sent_widths, divisor);
+  }
   return shards;
+}
+
+// A non-finite gradient on any rank makes every rank's shard gradients
+// NaN: an inf that lands in one rank's shard would otherwise let a loss
+// scaler skip the step there and take it elsewhere, and the ranks' models
+// would part. (Without sharding every rank would see the inf.) The flag
+// is the sums' last column.
+void Runtime::divide_sums_into_shards(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
+                                      const std::vector<int64_t>& widths, int64_t divisor) {
+  if (shards.empty()) return;
+  at::Tensor out = sums.div_(divisor);
+  // Poisoned once, over the whole bucket (one kernel, not one per member).
+  // On the host the flag is read first: a masked fill is a pass over every
+  // reduced element each step (1.5 ms a step on the small benchmark GPT),
+  // for a flag that is almost never set.
+  at::Tensor flag = out.narrow(0, out.numel() - 1, 1);
+  if (!out.is_cpu()) {
+    out.masked_fill_(flag.gt(0), std::numeric_limits<double>::quiet_NaN());
+  } else if (flag.item<double>() > 0) {
+    out.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  copy_out_of_sums(out, shards, widths);
+}
+
+// The host's all-to-all left the W rows that arrived: each shard gradient
+// is their sum, divided, in one pass ([Note: reduce-scatter on CPU]), in
+// place of a sum into the bucket, a division and a copy out of it.
+void Runtime::sum_rows_into_shards(const PendingReduction& pending,
+                                   const std::vector<at::Tensor>& shards,
+                                   const std::vector<int64_t>& widths, int64_t divisor) {
+  if (shards.empty()) return;
+  const bool poisoned = pending.out.narrow(0, pending.out.numel() - 1, 1).item<double>() > 0;
+  int64_t offset = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    at::Tensor shard = shards[i];
+    if (poisoned) {
+      shard.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      sum_rows_divided(shard, pending.rows.narrow(1, offset, widths[i]), divisor);
+    }
+    offset += widths[i];
+  }
 }
 
 // One split copy (one kernel on a GPU) where the shard gradients keep the
@@ -1153,6 +1192,7 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   out.insert("reduce_wait_ns", s.reduce_wait_ns);
   out.insert("graph_prefetch_calls", s.graph_prefetch_calls);
   out.insert("late_reductions", s.late_reductions);
+  out.insert("late_grads_in_place", s.late_grads_in_place);
   // What stays gathered by design: persistent parameters, between steps,
   // and the tied parameters and small gather units the eager forward kept
   // for backward (until their backward; [Note: eager holds]). And the room

@@ -44,6 +44,8 @@
 #include "sharc/core/error.h"
 #include "sharc/runtime/runtime.h"
 
+#include <iterator>
+
 namespace sharc {
 namespace {
 
@@ -68,7 +70,7 @@ bool in_accumulating_backward() {
 
 std::vector<at::Tensor> Runtime::wait_reduce_scatter_in_graph(int64_t token) {
   std::vector<at::Tensor> zeros;
-  std::vector<int64_t> due;
+  std::vector<LateReduction> due;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = reductions_.find(token);
@@ -77,24 +79,28 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter_in_graph(int64_t token) {
       // Waited here, as compiled (an unknown token raises there).
     } else {
       const PendingReduction& pending = it->second;
+      LateReduction late{token, 0, {}, {}};
       for (size_t i = 0; i < pending.widths.size(); ++i) {
         zeros.push_back(at::zeros({pending.widths[i]},
                                   pending.out.options().dtype(pending.dtypes[i])));
+        late.zeros.emplace_back(zeros.back().storage().getWeakStorageImpl());
+        late.zero_versions.push_back(zeros.back()._version());
       }
-      const int64_t bytes = static_cast<int64_t>(pending.input.nbytes() + pending.wire.nbytes());
-      late_reductions_.push_back({token, bytes});
+      late.bytes = static_cast<int64_t>(pending.input.nbytes() + pending.wire.nbytes());
+      const int64_t bytes = late.bytes;
+      late_reductions_.push_back(std::move(late));
       late_reduction_bytes_ += bytes;
       accounting_.on_late_reduction();
       // The newest stays in flight whatever it weighs: it was just started.
       while (late_reduction_bytes_ > kLateReductionWindowBytes && late_reductions_.size() > 1) {
-        due.push_back(late_reductions_.front().token);
-        late_reduction_bytes_ -= late_reductions_.front().bytes;
+        due.push_back(std::move(late_reductions_.front()));
+        late_reduction_bytes_ -= due.back().bytes;
         late_reductions_.pop_front();
       }
     }
   }
   if (zeros.empty()) return wait_reduce_scatter(token);
-  for (int64_t t : due) deliver_late(t);
+  for (const LateReduction& late : due) deliver_late(late);
   return zeros;
 }
 
@@ -130,39 +136,67 @@ bool Runtime::queue_late_delivery_locked() {
 }
 
 void Runtime::deliver_late_reductions() {
-  for (int64_t token : take_late_reductions()) deliver_late(token);
+  for (const LateReduction& late : take_late_reductions()) deliver_late(late);
 }
 
 void Runtime::drop_late_reductions() {
   if (torch::autograd::get_current_graph_task_id() != -1) return;  // recomputed in backward
-  for (int64_t token : take_late_reductions()) wait_reduce_scatter(token);
+  for (const LateReduction& late : take_late_reductions()) wait_reduce_scatter(late.token);
 }
 
 // Every reduction left in flight, oldest first; none is left after.
-std::vector<int64_t> Runtime::take_late_reductions() {
+std::vector<Runtime::LateReduction> Runtime::take_late_reductions() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<int64_t> tokens;
-  for (const LateReduction& late : late_reductions_) tokens.push_back(late.token);
+  std::vector<LateReduction> taken(std::make_move_iterator(late_reductions_.begin()),
+                                   std::make_move_iterator(late_reductions_.end()));
   late_reductions_.clear();
   late_reduction_bytes_ = 0;
   late_delivery_task_ = -1;
-  return tokens;
+  return taken;
 }
 
-// Waits the reduction of `token` and adds its shard gradients into .grad of
+// [Note: late gradients written in place]
+// Where nothing accumulated into a parameter's .grad before, the engine
+// takes the zeros handed out as the .grad itself (it steals a gradient
+// nobody else holds). If that .grad is still those zeros, untouched (its
+// version unchanged, so no other graph of the pass added into it), the
+// reduced values are written straight into it: the same values an add
+// would give, without a shard gradient of its own and a pass to add it.
+// Any other .grad (one from an earlier backward, a copy the engine made,
+// zeros another graph added into) gets the add.
+std::vector<at::Tensor> Runtime::untouched_zero_grads(const LateReduction& late,
+                                                      const std::vector<at::Tensor>& targets) const {
+  std::vector<at::Tensor> into(targets.size());
+  for (size_t i = 0; i < targets.size() && i < late.zeros.size(); ++i) {
+    if (!targets[i].defined()) continue;
+    const at::Tensor& grad = targets[i].grad();
+    // The engine keeps a detached alias of what it steals: same storage
+    // and version counter, another tensor.
+    if (!grad.defined() || !grad.has_storage() || grad.storage_offset() != 0 ||
+        !grad.is_contiguous()) {
+      continue;
+    }
+    const auto zeros = late.zeros[i].lock();
+    if (!zeros || grad.storage().unsafeGetStorageImpl() != zeros.get()) continue;
+    if (grad._version() != late.zero_versions[i]) continue;
+    into[i] = grad;
+  }
+  return into;
+}
+
+// Waits the reduction of `late` and adds its shard gradients into .grad of
 // the tensors its parameters' gathers read (see may_finish_late_locked).
-void Runtime::deliver_late(int64_t token) {
+void Runtime::deliver_late(const LateReduction& late) {
   std::vector<int64_t> ids;
   std::vector<bool> held;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = reductions_.find(token);
-    SHARC_CHECK(it != reductions_.end(), "sharc: the late reduce-scatter of token ", token,
+    auto it = reductions_.find(late.token);
+    SHARC_CHECK(it != reductions_.end(), "sharc: the late reduce-scatter of token ", late.token,
                 " in group '", comm_.group_name(), "' was waited on already; this is a sharc bug");
     ids = it->second.ids;
     held = it->second.held;
   }
-  const std::vector<at::Tensor> shards = wait_reduce_scatter(token);
   std::vector<at::Tensor> targets;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -172,9 +206,18 @@ void Runtime::deliver_late(int64_t token) {
                                                      : at::Tensor(p.read_as_shard->lock()));
     }
   }
+  const std::vector<at::Tensor> into = untouched_zero_grads(late, targets);
+  const std::vector<at::Tensor> shards = wait_reduce_scatter(late.token, into);
   for (size_t i = 0; i < ids.size(); ++i) {
     // Held back, or the parameter is gone: nothing to add.
-    if (targets[i].defined()) add_into_grad(targets[i], shards[i]);
+    if (!targets[i].defined()) continue;
+    if (into[i].defined()) {
+      into[i].unsafeGetTensorImpl()->bump_version();  // written in place, outside autograd
+      std::lock_guard<std::mutex> lock(mutex_);
+      accounting_.on_late_grad_in_place();
+    } else {
+      add_into_grad(targets[i], shards[i]);
+    }
   }
 }
 

@@ -48,9 +48,12 @@ TEST(MemoryAccounting, CountsLateReductionsUntilReset) {
   MemoryAccounting a;
   a.on_late_reduction();
   a.on_late_reduction();
+  a.on_late_grad_in_place();
   EXPECT_EQ(a.stats().late_reductions, 2);
+  EXPECT_EQ(a.stats().late_grads_in_place, 1);
   a.reset();
   EXPECT_EQ(a.stats().late_reductions, 0);
+  EXPECT_EQ(a.stats().late_grads_in_place, 0);
 }
 
 TEST(MemoryAccounting, FreeingMoreThanGatheredIsAnError) {

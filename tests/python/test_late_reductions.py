@@ -77,13 +77,14 @@ def _sharded(rank, world, width, depth, steps, backwards, hooks):
         p.register_post_accumulate_grad_hook(lambda t: seen.__setitem__("hook", t.grad.clone()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = torch.compile(model, backend="sharc")
-    out = {"grads": [], "late": [], "hook": []}
+    out = {"grads": [], "late": [], "in_place": [], "hook": []}
     for step in range(steps):
         sharc.reset_memory_stats()
         for _ in range(backwards):
             run(*_batch(step, width, rank)).backward()
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         out["late"].append(sharc.memory_stats()["late_reductions"])
+        out["in_place"].append(sharc.memory_stats()["late_grads_in_place"])
         out["hook"].append(seen.pop("hook", None))
         opt.step()
         opt.zero_grad()
@@ -105,6 +106,13 @@ def test_compiled_backward_graphs_leave_reductions_in_flight_and_gradients_match
     for out in results:
         # Every backward graph reduces its block: nothing waits inside a graph.
         assert all(late >= 4 * backwards for late in out["late"]), out["late"]
+        # [Note: late gradients written in place]: in the first backward of
+        # a step (after zero_grad) each .grad is the zeros its graph
+        # returned, so the two shard gradients (weight, bias) of every late
+        # block reduction are written into it; in a second backward the
+        # zeros were added into the first's .grad, so those are added.
+        want = [2 * late // backwards for late in out["late"]]
+        assert out["in_place"] == want, (out["in_place"], out["late"])
 
 
 def test_reductions_past_the_window_are_delivered_during_backward():

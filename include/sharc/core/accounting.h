@@ -33,6 +33,10 @@ struct MemoryStats {
   /// Reductions compiled backward graphs left in flight behind them, waited
   /// later (see wait_reduce_scatter_in_graph), since reset.
   int64_t late_reductions = 0;
+  /// Of their shard gradients, those written straight into the .grad the
+  /// engine made of the zeros handed out ([Note: late gradients written in
+  /// place]) rather than added into it, since reset.
+  int64_t late_grads_in_place = 0;
   /// Collective headers sent since reset (see [Note: collective
   /// agreement]), beside the data counted above.
   int64_t header_sent_bytes = 0;
@@ -55,6 +59,7 @@ class MemoryAccounting {
   void on_reduce_wait(int64_t ns);
   void on_graph_prefetch();
   void on_late_reduction();
+  void on_late_grad_in_place();
   void on_header_sent(int64_t bytes);
   void on_agreement_call();
   /// Zeroes the communication counters and sets the peak to the current level.

@@ -59,7 +59,20 @@ class Communicator {
   /// reduce-scatter on CPU] in communicator.cpp), as do device tensors on
   /// gloo; device tensors on another backend (NCCL) through its
   /// reduce-scatter.
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in);
+  ///
+  /// `summed_from` > 0 lets the all-to-all's wait sum only the columns of
+  /// `out` from there on: the earlier ones stay as the W rows that arrived,
+  /// for the caller to take with unsummed_rows() and sum where the values
+  /// go (one pass instead of a sum into `out` and a copy out of it). The
+  /// columns before `summed_from` in `out` are then left unwritten. A
+  /// backend's own reduce-scatter sums every column whatever it says.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in,
+                                                    int64_t summed_from = 0);
+
+  /// After `work` (from reduce_scatter_sum) was waited on: the [W,
+  /// summed_from] rows its wait left unsummed, handed over once (later
+  /// calls, and works that summed everything, give an undefined tensor).
+  static at::Tensor take_unsummed_rows(c10d::Work& work);
 
   /// The name of the backend ("gloo", "nccl") that serves `t`'s device.
   std::string backend_name(const at::Tensor& t) const;

@@ -63,6 +63,11 @@ struct PendingReduction {
   at::Tensor input;
   at::Tensor out;   ///< the shard gradients, then the non-finite flag
   at::Tensor wire;  ///< what the collective writes: `out`, then the header's bit sums
+  /// Once waited, where the host's all-to-all left the shard columns
+  /// unsummed ([W, columns]; see Communicator::reduce_scatter_sum): the
+  /// rows, summed straight into the shard gradients. Undefined where `out`
+  /// holds the sums.
+  at::Tensor rows;
   int64_t seq = -1; ///< its number in the group's agreed sequence
   std::vector<int64_t> widths;
   std::vector<c10::ScalarType> dtypes;  ///< each parameter's reduce dtype
@@ -295,7 +300,11 @@ class Runtime : public torch::CustomClassHolder {
   /// its parameters' flat shard gradients (summed, divided by the world
   /// size), in the order they were started. Throws sharc::Error for a token
   /// waited on already or never handed out.
-  std::vector<at::Tensor> wait_reduce_scatter(int64_t token);
+  /// `into`, if given, names per parameter a tensor (flat, the shard's
+  /// width and grad dtype, contiguous) the shard gradient is written into
+  /// and returned as, overwriting it; an undefined entry gets a new one.
+  std::vector<at::Tensor> wait_reduce_scatter(int64_t token,
+                                              const std::vector<at::Tensor>& into = {});
   /// A compiled backward graph's wait: as wait_reduce_scatter(), or, where
   /// the reduction may finish after the graph ([Note: late reduction
   /// waits]), zero shard gradients at once, the reduced ones being added
@@ -560,6 +569,16 @@ class Runtime : public torch::CustomClassHolder {
   /// order, each in its own dtype).
   static void copy_out_of_sums(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
                                const std::vector<int64_t>& widths);
+  /// The reduced bucket `sums` (the shard columns, then the non-finite
+  /// flag's sum) divided by `divisor` into `shards` (`widths` each, in
+  /// order), all NaN where the flag is set.
+  static void divide_sums_into_shards(const at::Tensor& sums, const std::vector<at::Tensor>& shards,
+                                      const std::vector<int64_t>& widths, int64_t divisor);
+  /// As divide_sums_into_shards(), from the rows the all-to-all left
+  /// unsummed (`pending.rows`), the flag's sum read from `pending.out`.
+  static void sum_rows_into_shards(const PendingReduction& pending,
+                                   const std::vector<at::Tensor>& shards,
+                                   const std::vector<int64_t>& widths, int64_t divisor);
   /// 1 x 1: nonzero (1 or true) if any element of `grid` is not finite.
   static at::Tensor nonfinite_flag(const at::Tensor& grid);
   /// A true-shape tensor over the buffer, recorded in `handed_out`.
@@ -616,22 +635,31 @@ class Runtime : public torch::CustomClassHolder {
   EagerScope eager_scope_{*this};
   bool end_of_backward_queued_ = false;
   int64_t backward_ends_ = 0;  ///< end_backward_pass() calls
+  /// `zeros`: the storage of the zero shard gradients handed to autograd
+  /// in their place, held weakly (a strong hold on a zeros tensor would keep
+  /// the engine from taking it as .grad), with each one's version then.
+  struct LateReduction {
+    int64_t token;
+    int64_t bytes;
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> zeros;
+    std::vector<int64_t> zero_versions;
+  };
+  /// The tensors deliver_late() may write reduced values into: a .grad
+  /// still the untouched zeros handed out for it.
+  std::vector<at::Tensor> untouched_zero_grads(const LateReduction& late,
+                                               const std::vector<at::Tensor>& targets) const;
   /// Late reductions ([Note: late reduction waits]), in
   /// runtime_late_reduction.cpp.
   bool may_finish_late_locked(const PendingReduction& pending);
   bool queue_late_delivery_locked();
-  void deliver_late(int64_t token);
-  std::vector<int64_t> take_late_reductions();
+  void deliver_late(const LateReduction& late);
+  std::vector<LateReduction> take_late_reductions();
   /// A forward outside backward: reductions a backward that raised left in
   /// flight are waited and their gradients dropped, as that pass's.
   void drop_late_reductions();
   /// Reductions compiled graphs left in flight, oldest first, with the
   /// bytes each holds; their bytes together; and the autograd graph task
   /// whose end delivers them.
-  struct LateReduction {
-    int64_t token;
-    int64_t bytes;
-  };
   std::deque<LateReduction> late_reductions_;
   int64_t late_reduction_bytes_ = 0;
   int64_t late_delivery_task_ = -1;
