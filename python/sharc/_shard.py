@@ -92,7 +92,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     if groups.replicate is not None and dist.get_world_size(groups.replicate) > 1:
         _validate.check_replicas(named, groups.replicate, config.verify_replicas)
 
-    _validate.check_keep_gathered(config.keep_gathered, named)
+    kept = _validate.resolve_keep_gathered(config.keep_gathered, named)
     units = _validate.resolve_gather_units(module, config.gather_units)
     owners = _owners(module)
     dtypes = {p: mixed_precision.param_dtypes(fqn, p, owners[id(p)], config.mixed_precision)
@@ -104,7 +104,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     refs_by_param = _register(runtime, group.group_name, named, dtypes, device)
     _install_optimizer_check()
     for fqn, p in named:
-        if fqn in config.keep_gathered:
+        if fqn in kept:
             runtime.set_persistent(refs_by_param[p].pid, True)
     unit_ids = {refs_by_param[p].pid for _, unit in units for p in unit.parameters()}
     checks = RankCheck(group, config.rank_check_timeout_s)

@@ -146,13 +146,23 @@ def _compare(rank, n0, s0, d0, v0, n1, s1, d1, v1) -> None:
             "shard()), or pass ShardConfig(verify_replicas=False) if this is intended")
 
 
-def check_keep_gathered(names: tuple[str, ...], named) -> None:
-    known = {fqn for fqn, _ in named}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"ShardConfig.keep_gathered names {unknown[0]!r}, which is not a "
-                         "parameter of this module; use a name from "
-                         "module.named_parameters(), e.g. " + repr(sorted(known)[:3]))
+def resolve_keep_gathered(patterns: tuple[str, ...], named) -> set[str]:
+    """The parameter names ShardConfig.keep_gathered's names or shell-style
+    patterns match, as gather_units' patterns match modules; each must
+    match one or more."""
+    import fnmatch
+
+    known = [fqn for fqn, _ in named]
+    kept = set()
+    for pattern in patterns:
+        hits = [fqn for fqn in known if fnmatch.fnmatchcase(fqn, pattern)]
+        if not hits:
+            raise ValueError(f"ShardConfig.keep_gathered names {pattern!r}, which is not a "
+                             "parameter of this module and matches none; use a name (or a "
+                             "shell-style pattern) from module.named_parameters(), e.g. "
+                             + repr(sorted(known)[:3]))
+        kept.update(hits)
+    return kept
 
 
 def resolve_gather_units(module: torch.nn.Module, patterns: tuple[str, ...]):

@@ -18,8 +18,9 @@ class ShardConfig:
     start from different values would each keep a slice of a different model."""
 
     keep_gathered: tuple[str, ...] = ()
-    """Parameter names (as `named_parameters()` gives them) that stay gathered
-    once gathered: no release and no re-gather within a step, re-gathered
+    """Parameter names (as `named_parameters()` gives them; shell-style
+    patterns such as "*.norm*.weight" allowed, each must match one or more)
+    that stay gathered once gathered: no release and no re-gather within a step, re-gathered
     only after their shard changes (an optimizer step). Trades memory for
     communication, for small parameters read in many places."""
 

@@ -234,6 +234,9 @@ def _shard_misuse(rank, world):
     attempt("keep", lambda: sharc.shard(
         torch.nn.Linear(3, 3), config=sharc.ShardConfig(keep_gathered=("weights",))),
         ValueError)
+    attempt("keep_pattern", lambda: sharc.shard(
+        torch.nn.Linear(3, 3), config=sharc.ShardConfig(keep_gathered=("*.weight",))),
+        ValueError)  # the root's parameters have no dot: the pattern matches none
     attempt("stats_group", lambda: sharc.memory_stats(group=0), TypeError)
     state = {k: v for k, v in sharc.full_state_dict(lin).items()}
     state["bias"] = [0.0, 0.0, 0.0]
@@ -271,6 +274,9 @@ def test_shard_misuse():
             "the default group), got str")
         assert errors["keep"][0] == "ValueError"
         assert "keep_gathered names 'weights', which is not a parameter" in errors["keep"][1]
+        assert errors["keep_pattern"][0] == "ValueError"
+        assert "keep_gathered names '*.weight', which is not a parameter of this module and " \
+            "matches none" in errors["keep_pattern"][1]
         assert errors["stats_group"][0] == "TypeError"
         assert errors["load_list"] == (
             "TypeError", "load_full_state_dict: 'bias' is a list, not a tensor; pass the full "
