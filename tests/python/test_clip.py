@@ -46,6 +46,22 @@ def _sharded(rank, world):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         torch.optim.SGD(model.parameters(), lr=LR).step()
         out[norm_type] = (float(total), total.dtype, grads, sharc.full_state_dict(model))
+    # torch's own function, as a single-process loop calls it, on a
+    # generator of the parameters ([Note: torch's clipping on shards]).
+    for norm_type in NORMS:
+        model = make_parity_model()
+        sharc.shard(model)
+        x, y = global_batch(0, 4)
+        model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        torch.optim.SGD(model.parameters(), lr=LR).step()
+        out["torch", norm_type] = (float(total), total.dtype, grads, sharc.full_state_dict(model))
+    # A module sharc does not hold still gets torch's function as it is.
+    plain = make_parity_model()
+    plain(*global_batch(0, 4)).backward()
+    params = [p for p in plain.parameters() if p.numel()]
+    out["plain"] = float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
     return out
 
 
@@ -54,12 +70,13 @@ def sharded():
     return run_ranks(_sharded, WORLD, timeout=180)
 
 
+@pytest.mark.parametrize("via", ["sharc", "torch"])
 @pytest.mark.parametrize("norm_type", NORMS)
-def test_matches_unsharded_clipping(sharded, norm_type):
+def test_matches_unsharded_clipping(sharded, norm_type, via):
     ref_total, ref_grads, ref_state = _reference(norm_type)
     assert ref_total > 4 * MAX_NORM, "the reference must really clip"
     for rank, results in enumerate(sharded):
-        total, dtype, grads, state = results[norm_type]
+        total, dtype, grads, state = results[norm_type if via == "sharc" else ("torch", norm_type)]
         assert dtype == torch.float32
         assert total == pytest.approx(ref_total, rel=1e-5)
         assert set(grads) == set(ref_grads)
@@ -80,3 +97,9 @@ def test_a_shard_based_norm_would_differ(sharded):
         shards = [shard_of(g, rank, WORLD) for g in ref_grads.values()]
         local = float(nn_utils.get_total_norm(shards, 2.0))
         assert abs(local - ref_total) > 1e-3 * ref_total
+
+
+def test_torch_clipping_of_an_unsharded_module_is_torchs(sharded):
+    ref_total, _, _ = _reference(2.0)
+    for results in sharded:
+        assert results["plain"] == pytest.approx(ref_total, rel=1e-6)
