@@ -112,6 +112,14 @@ class SumAfterAllToAll : public c10d::Work {
     return std::exchange(unsummed_, at::Tensor());
   }
 
+  void sum_unsummed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!unsummed_.defined()) return;
+    at::Tensor summed = out_.narrow(0, 0, unsummed_.size(1));
+    at::sum_out(summed, unsummed_, {0});
+    unsummed_ = at::Tensor();
+  }
+
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(mutex_);
     return !exchange_ || exchange_->isCompleted();
@@ -169,6 +177,10 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& out,
 at::Tensor Communicator::take_unsummed_rows(c10d::Work& work) {
   auto* sum_after = dynamic_cast<SumAfterAllToAll*>(&work);
   return sum_after ? sum_after->take_unsummed() : at::Tensor();
+}
+
+void Communicator::sum_unsummed_rows(c10d::Work& work) {
+  if (auto* sum_after = dynamic_cast<SumAfterAllToAll*>(&work)) sum_after->sum_unsummed();
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& t) {

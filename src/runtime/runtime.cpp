@@ -712,8 +712,10 @@ void Runtime::finish_reduce_scatter(int64_t token) {
   auto it = reductions_.find(token);
   SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter of token ", token,
               " was waited on by two threads at once");
+  // Kept before anything may return: the rows are handed over once, and a
+  // reduction without them would read an unsummed bucket.
+  if (rows.defined() && !it->second.rows.defined()) it->second.rows = std::move(rows);
   if (!it->second.work) return;
-  if (rows.defined()) it->second.rows = std::move(rows);
   settle_reduction_locked(it->second);  // may raise: the ranks diverged
   // Its input goes with the work; `out` (a view of the wire) stays.
   release_waited(it->second.work);
@@ -815,7 +817,9 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
     sent_widths.push_back(pending.widths[i]);
   }
   // Averaged over every rank that summed into it: the shard group, times
-  // the replicas where the all-reduce ran (so hybrid averages as flat does).
+  // the replicas where the all-reduce ran (so hybrid averages as flat does;
+  // in a 16-bit dtype the host's flat path rounds once, after the division,
+  // the summed bucket's path after the sum and again after it).
   const int64_t divisor = comm_.world_size() * pending.replicas;
   if (pending.rows.defined()) {
     sum_rows_into_shards(pending, sent, sent_widths, divisor);

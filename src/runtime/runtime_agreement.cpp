@@ -84,7 +84,10 @@ void Runtime::settle_locked(int64_t seq) {
     auto it = reductions_.find(token->second);
     SHARC_CHECK(it != reductions_.end(), "sharc: the reduce-scatter numbered ", seq,
                 " in group '", comm_.group_name(), "' was dropped before it completed");
-    it->second.work->wait();  // waited again, and summed, by wait_reduce_scatter
+    // Waited again by wait_reduce_scatter; summed whole here, so that the
+    // received rows do not stay alive until then.
+    it->second.work->wait();
+    Communicator::sum_unsummed_rows(*it->second.work);
     settle_reduction_locked(it->second);
   }
   settle_arriving_locked(seq);

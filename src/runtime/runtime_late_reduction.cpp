@@ -163,7 +163,9 @@ std::vector<Runtime::LateReduction> Runtime::take_late_reductions() {
 // reduced values are written straight into it: the same values an add
 // would give, without a shard gradient of its own and a pass to add it.
 // Any other .grad (one from an earlier backward, a copy the engine made,
-// zeros another graph added into) gets the add.
+// zeros another graph added into) gets the add. A write the version counter
+// does not see (through .data, or a numpy view) between the engine taking
+// the zeros and the delivery would be overwritten, not added to.
 std::vector<at::Tensor> Runtime::untouched_zero_grads(const LateReduction& late,
                                                       const std::vector<at::Tensor>& targets) const {
   std::vector<at::Tensor> into(targets.size());

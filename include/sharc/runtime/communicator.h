@@ -62,7 +62,7 @@ class Communicator {
   ///
   /// `summed_from` > 0 lets the all-to-all's wait sum only the columns of
   /// `out` from there on: the earlier ones stay as the W rows that arrived,
-  /// for the caller to take with unsummed_rows() and sum where the values
+  /// for the caller to take with take_unsummed_rows() and sum where the values
   /// go (one pass instead of a sum into `out` and a copy out of it). The
   /// columns before `summed_from` in `out` are then left unwritten. A
   /// backend's own reduce-scatter sums every column whatever it says.
@@ -73,6 +73,11 @@ class Communicator {
   /// summed_from] rows its wait left unsummed, handed over once (later
   /// calls, and works that summed everything, give an undefined tensor).
   static at::Tensor take_unsummed_rows(c10d::Work& work);
+  /// After `work` was waited on: sums the rows it left unsummed into `out`
+  /// after all and lets them go, so that a reduction waited before its
+  /// shard gradients are wanted holds `out` only (take_unsummed_rows() then
+  /// gives nothing).
+  static void sum_unsummed_rows(c10d::Work& work);
 
   /// The name of the backend ("gloo", "nccl") that serves `t`'s device.
   std::string backend_name(const at::Tensor& t) const;
