@@ -66,13 +66,19 @@ class _ShardedRoot:
     @property
     def group(self) -> dist.ProcessGroup:
         """The process group, while it exists."""
-        try:
-            return torch._C._distributed_c10d._resolve_process_group(self.group_name)
-        except RuntimeError:
-            raise RuntimeError(
-                f"sharc: the process group '{self.group_name}' this module was sharded on "
-                "has been destroyed; build and shard the module again on a live group"
-            ) from None
+        return live_group(self.group_name, "this module was sharded on")
+
+
+def live_group(group_name: str, what: str) -> dist.ProcessGroup:
+    """The process group registered as `group_name`; raises, saying it was
+    destroyed and what it served (`what`: "this module was sharded on"), when
+    it no longer exists."""
+    try:
+        return torch._C._distributed_c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        raise RuntimeError(
+            f"sharc: the process group '{group_name}' {what} has been destroyed; build and "
+            "shard the module again on a live group") from None
 
 
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:

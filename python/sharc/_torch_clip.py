@@ -22,6 +22,9 @@ import functools
 
 import torch
 
+from sharc._state import live_group
+from sharc.clip import clip_grad_norm_ as sharc_clip
+
 SHARD_GROUP = "_sharc_shard_group"  # on a shard (nn.Parameter): its group's name
 
 
@@ -53,21 +56,10 @@ def _wrap(torch_clip):
         groups = {getattr(p, SHARD_GROUP) for p in params if hasattr(p, SHARD_GROUP)}
         if not groups:
             return torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        from sharc.clip import clip_grad_norm_ as sharc_clip
-
         # Shards of two groups: the first group's check names the others.
-        return sharc_clip(params, max_norm, norm_type, group=_live_group(sorted(groups)[0]),
+        group = live_group(sorted(groups)[0], "these parameters are shards of")
+        return sharc_clip(params, max_norm, norm_type, group=group,
                           error_if_nonfinite=error_if_nonfinite)
 
     clip_grad_norm_._sharc_wraps = torch_clip
     return clip_grad_norm_
-
-
-def _live_group(name: str):
-    try:
-        return torch._C._distributed_c10d._resolve_process_group(name)
-    except RuntimeError:
-        raise RuntimeError(
-            f"torch.nn.utils.clip_grad_norm_: the parameters are shards of the process group "
-            f"'{name}', which has been destroyed; build and shard the module again on a live "
-            "group") from None

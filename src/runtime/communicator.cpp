@@ -97,9 +97,7 @@ class SumAfterAllToAll : public c10d::Work {
     if (exchange_) {
       exchange_->wait(timeout);
       const at::Tensor rows = received_.view({world_, -1});
-      const int64_t columns = rows.size(1);
-      at::Tensor summed = out_.narrow(0, summed_from_, columns - summed_from_);
-      at::sum_out(summed, rows.narrow(1, summed_from_, columns - summed_from_), {0});
+      sum_into_out(rows, summed_from_, rows.size(1) - summed_from_);
       unsummed_ = summed_from_ > 0 ? rows.narrow(1, 0, summed_from_) : at::Tensor();
       received_ = at::Tensor();
       release_waited(exchange_);
@@ -115,8 +113,7 @@ class SumAfterAllToAll : public c10d::Work {
   void sum_unsummed() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!unsummed_.defined()) return;
-    at::Tensor summed = out_.narrow(0, 0, unsummed_.size(1));
-    at::sum_out(summed, unsummed_, {0});
+    sum_into_out(unsummed_, 0, unsummed_.size(1));
     unsummed_ = at::Tensor();
   }
 
@@ -134,6 +131,12 @@ class SumAfterAllToAll : public c10d::Work {
   }
 
  private:
+  // Columns [from, from + count) of `rows` summed over the ranks into `out_`.
+  void sum_into_out(const at::Tensor& rows, int64_t from, int64_t count) {
+    at::Tensor summed = out_.narrow(0, from, count);
+    at::sum_out(summed, rows.narrow(1, from, count), {0});
+  }
+
   c10::intrusive_ptr<c10d::Work> exchange_;  ///< null once waited on
   at::Tensor received_;
   at::Tensor out_;

@@ -64,7 +64,8 @@ class Communicator {
   /// `out` from there on: the earlier ones stay as the W rows that arrived,
   /// for the caller to take with take_unsummed_rows() and sum where the values
   /// go (one pass instead of a sum into `out` and a copy out of it). The
-  /// columns before `summed_from` in `out` are then left unwritten. A
+  /// columns before `summed_from` in `out` are then left unwritten (unless
+  /// sum_unsummed_rows() is called). A
   /// backend's own reduce-scatter sums every column whatever it says.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& out, at::Tensor& in,
                                                     int64_t summed_from = 0);
