@@ -106,13 +106,37 @@ def _collect(pipes, procs, timeout):
         remaining = max(0.0, deadline - time.monotonic())
         if not conn.poll(remaining):
             raise RankFailure(f"rank {rank} gave no result within {timeout}s "
-                              f"(alive={proc.is_alive()}, exitcode={proc.exitcode})")
+                              f"(alive={proc.is_alive()}, exitcode={proc.exitcode})"
+                              + _others(pipes, procs, rank))
         try:
             status, value = pickle.loads(conn.recv_bytes())
         except EOFError:
             proc.join(5)
-            raise RankFailure(f"rank {rank} died (exit code {proc.exitcode})") from None
+            raise RankFailure(f"rank {rank} died (exit code {proc.exitcode})"
+                              + _others(pipes, procs, rank)) from None
         if status == "error":
-            raise RankFailure(f"rank {rank} failed:\n{value}")
+            raise RankFailure(f"rank {rank} failed:\n{value}" + _others(pipes, procs, rank))
         results.append(value)
     return results
+
+
+def _others(pipes, procs, failed: int, wait_s: float = 10.0) -> str:
+    """What became of every other rank, for a failure's message: a rank's
+    error is often only the echo of a peer that crashed first (a closed
+    connection), and the peer's fate is the cause."""
+    deadline = time.monotonic() + wait_s
+    lines = []
+    for rank, (conn, proc) in enumerate(zip(pipes, procs)):
+        if rank == failed:
+            continue
+        fate = "still running"
+        try:
+            if conn.poll(max(0.0, deadline - time.monotonic())):
+                status, value = pickle.loads(conn.recv_bytes())
+                fate = ("returned a result" if status == "ok"
+                        else "failed too:\n" + value.rstrip()[-3000:])
+        except EOFError:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            fate = f"died without a result (exit code {proc.exitcode})"
+        lines.append(f"rank {rank}: {fate}")
+    return "\n-- the other ranks --\n" + "\n".join(lines) if lines else ""
