@@ -120,14 +120,15 @@ def _collect(pipes, procs, timeout):
     return results
 
 
-def _others(pipes, procs, failed: int, wait_s: float = 10.0) -> str:
+def _others(pipes, procs, failed: int, wait_s: float = 5.0) -> str:
     """What became of every other rank, for a failure's message: a rank's
     error is often only the echo of a peer that crashed first (a closed
-    connection), and the peer's fate is the cause."""
+    connection), and the peer's fate is the cause. Ranks before `failed`
+    returned their results already; the later ones get `wait_s` in all."""
     deadline = time.monotonic() + wait_s
-    lines = []
+    lines = [f"rank {rank}: returned a result" for rank in range(failed)]
     for rank, (conn, proc) in enumerate(zip(pipes, procs)):
-        if rank == failed:
+        if rank <= failed:
             continue
         fate = "still running"
         try:
