@@ -23,6 +23,11 @@ is summed by group:
                       inside them
   the rest            every other operator and Python-level region
 
+Competitors are built and measured in the order given; name "FSDP2
+compiled" last, if at all (compare.py measures it last, alone: once Dynamo
+compiled FSDP2's graph-breaking forward, another compiled model of that
+class in the process no longer compiles cleanly).
+
 The profiler adds a few microseconds to every operator, so a group of many
 small calls reads higher than it costs unprofiled; the unprofiled step is
 printed beside. Also printed: minor page faults per unprofiled step
@@ -42,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from _common import markdown, train_step, write_results
-from compare import SIZES, _build
+from compare import COMPETITORS, SIZES, _build
 from sharc.data import CharDataset
 from sharc.launch import launch
 
@@ -156,7 +161,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--competitors", nargs="+",
                         default=["floor", "DDP compiled", "sharc compiled"],
-                        help="compare.py's competitor names, the first the baseline")
+                        choices=COMPETITORS, metavar="NAME",
+                        help="compare.py's competitor names; the last is set against each "
+                             "of the others")
     parser.add_argument("--detail", type=int, default=0,
                         help="also print this many of the rest's largest entries per competitor")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
