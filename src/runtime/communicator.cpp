@@ -3,7 +3,6 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/version.h>
 
-#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -72,78 +71,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> Communicator::live_group() const {
 #define SHARC_ALL_TO_ALL_SINGLE alltoall_base
 #endif
 
-namespace {
-
-// The sends and receives of one all-gather, done as one: wait() waits for
-// every part (so the output's rows and the input's reuse are safe after it).
-class PairwiseExchange : public c10d::Work {
- public:
-  explicit PairwiseExchange(std::vector<c10::intrusive_ptr<c10d::Work>> parts)
-      : parts_(std::move(parts)) {}
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& part : parts_) {
-      if (part) part->wait(timeout);
-    }
-    for (auto& part : parts_) release_waited(part);
-    parts_.clear();
-    return true;
-  }
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return std::all_of(parts_.begin(), parts_.end(),
-                       [](const auto& part) { return !part || part->isCompleted(); });
-  }
-  bool isSuccess() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return std::all_of(parts_.begin(), parts_.end(),
-                       [](const auto& part) { return !part || part->isSuccess(); });
-  }
-  std::exception_ptr exception() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& part : parts_) {
-      if (part && part->exception()) return part->exception();
-    }
-    return nullptr;
-  }
-
- private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> parts_;  ///< empty once waited on
-  mutable std::mutex mutex_;
-};
-
-// Gloo tags are ints; a wrapped counter keeps them non-negative.
-constexpr int64_t kPairTags = int64_t{1} << 30;
-
-}  // namespace
-
 c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& out,
                                                         at::Tensor& shard) {
-  auto group = live_group();
-  if (world_size_ > 1 && shard.is_cpu() && backend_name(shard) == "gloo") {
-    // [Note: all-gather on CPU] Gloo's all-gather receives into a buffer of
-    // its own and then copies every rank's row into the output, on its
-    // worker threads: a host gather moved its bytes three times besides the
-    // transfer (profiled on the small benchmark GPT: 2.6 ms a step of one
-    // rank's CPU in those copies alone, on a host whose cores the ranks'
-    // compute needs). Sends of `shard` to every peer and receives straight
-    // into the peers' rows of `out` leave one copy: this rank's own row.
-    const int64_t row = shard.numel();
-    const int tag = static_cast<int>(next_pair_tag_.fetch_add(1) % kPairTags);
-    at::Tensor flat = shard.reshape({row});
-    out.narrow(0, rank_ * row, row).copy_(flat);
-    std::vector<c10::intrusive_ptr<c10d::Work>> parts;
-    for (int64_t peer = 0; peer < world_size_; ++peer) {
-      if (peer == rank_) continue;
-      std::vector<at::Tensor> to_peer{flat};
-      parts.push_back(group->send(to_peer, static_cast<int>(peer), tag));
-      std::vector<at::Tensor> from_peer{out.narrow(0, peer * row, row)};
-      parts.push_back(group->recv(from_peer, static_cast<int>(peer), tag));
-    }
-    return c10::make_intrusive<PairwiseExchange>(std::move(parts));
-  }
-  return group->SHARC_ALL_GATHER_SINGLE(out, shard, c10d::AllgatherOptions());
+  return live_group()->SHARC_ALL_GATHER_SINGLE(out, shard, c10d::AllgatherOptions());
 }
 
 namespace {

@@ -7,7 +7,6 @@
 // read (on CUDA, Work::wait() orders the current stream after the
 // communication stream; on CPU it blocks the calling thread).
 
-#include <atomic>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -49,9 +48,7 @@ class Communicator {
   bool is_alive() const;
 
   /// Non-blocking. `out` holds world_size * shard.numel() elements and is
-  /// written in rank order. On the host over gloo, by sends and receives
-  /// straight into `out`'s rows (see [Note: all-gather on CPU] in
-  /// communicator.cpp); `shard` must then stay unchanged until the wait.
+  /// written in rank order.
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& out, at::Tensor& shard);
 
   /// Non-blocking. Sums `in` (world_size * out.numel() elements) over the
@@ -98,9 +95,6 @@ class Communicator {
 
   std::string group_name_;
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
-  /// The tag of the next host all-gather's sends: every rank issues its
-  /// collectives in one order, so the counts agree and so do the tags.
-  std::atomic<int64_t> next_pair_tag_{0};
   int64_t rank_ = 0;
   int64_t world_size_ = 1;
 };
