@@ -61,6 +61,12 @@ class RankCheck:
             self._side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                         timeout=datetime.timedelta(seconds=timeout_s),
                                         use_local_synchronization=True)
+            # Gloo's connections can be complete on one rank while a peer
+            # still reads its handshake; a rank that then exits (an error
+            # right after shard(), say) resets them, and the peer fails
+            # inside new_group with "Connection closed by peer". The barrier
+            # returns only once every rank has its side group.
+            dist.barrier(group=self._side)
 
     def agree(self, kind: int, detail: str = "", value: int = 0) -> None:
         """Every rank must call this with the same `kind` and `value` (a
