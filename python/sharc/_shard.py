@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from sharc import _mesh, _torch_clip, _validate, mixed_precision
+from sharc import _mesh, _optimizer_writes, _torch_clip, _validate, mixed_precision
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -103,6 +103,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         runtime.set_verify_schedule(True)
     refs_by_param = _register(runtime, group.group_name, named, dtypes, device)
     _install_optimizer_check()
+    _optimizer_writes.install()  # [Note: shard writes a version counter misses]
     _torch_clip.install()  # [Note: torch's clipping on shards]
     for fqn, p in named:
         if fqn in kept:
@@ -197,6 +198,7 @@ def _register(runtime, group_name: str, named, dtypes,
             pid = runtime.register_empty(list(p.shape), p.dtype, device, fqn)
         shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
         _torch_clip.mark_shard(shard, group_name)
+        _optimizer_writes.mark_shard(shard, pid)
         d = dtypes[p]
         if d.grad != p.dtype:
             shard.grad_dtype = d.grad  # accumulated in the dtype the user asked for

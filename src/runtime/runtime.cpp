@@ -54,7 +54,9 @@ bool ShardedParam::is_stale() const {
   return state.state() == ParamState::Gathered && state.holds() == 0 && shard_changed();
 }
 
-bool ShardedParam::shard_changed() const { return shard._version() != gathered_version; }
+bool ShardedParam::shard_changed() const {
+  return written_unseen || shard._version() != gathered_version;
+}
 
 int64_t ShardedParam::full_bytes() const {
   return layout.padded_numel() * static_cast<int64_t>(base.element_size());
@@ -260,6 +262,7 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
     ShardedParam& p = param(id);
     claim_buffer_locked(p, dtype);
     p.gathered_version = p.shard._version();
+    p.written_unseen = false;
     p.pending = gather;
   }
   if (!issue) return;
@@ -1132,6 +1135,15 @@ bool Runtime::is_persistent(int64_t id) {
 bool Runtime::shard_changed_since_gather(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   return param(id).shard_changed();
+}
+
+void Runtime::note_shards_written(const std::vector<int64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // An id this runtime lacks: a shard of a destroyed group whose name a new
+  // group took (its runtime is another one); nothing of it is gathered here.
+  for (int64_t id : ids) {
+    if (id >= 0 && id < static_cast<int64_t>(params_.size())) param(id).written_unseen = true;
+  }
 }
 
 std::vector<std::tuple<int64_t, int64_t>> Runtime::persistent_params() {

@@ -494,3 +494,128 @@ def test_dtype_changes_and_deepcopy_after_shard_are_refused_before_changing_anyt
         assert "torch.bfloat16" in errors["bfloat16"]
         assert "deep-" in errors["deepcopy"] and "full_state_dict" in errors["deepcopy"]
         assert set(dtypes.values()) == {torch.float32}
+
+
+# -- a submodule converted to its own dtype inside forward ----------------------------
+class _ConvertsInForward(nn.Module):
+    """HF's SwitchTransformers router does `self.classifier =
+    self.classifier.to(self.dtype)` on every call: a no-op conversion that a
+    compiled forward must trace through, not break its graph on."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 3)
+        self.to_dtype = torch.float32
+
+    def forward(self, x):
+        self.inner = self.inner.to(self.to_dtype)
+        return self.out(torch.relu(self.inner(x)))
+
+
+def _converts_in_forward(rank, world, mode, to_dtype):
+    import torch._dynamo.utils as dynamo_utils
+
+    import sharc
+
+    torch.manual_seed(0)
+    model = _ConvertsInForward()
+    sharc.shard(model)
+    model.to_dtype = to_dtype
+    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    dynamo_utils.counters.clear()
+    try:
+        for it in range(2):
+            model.zero_grad()
+            step(*batch(it, rank, world)).pow(2).mean().backward()
+    except RuntimeError as e:
+        return "error", str(e)
+    return _grads(model), sum(dynamo_utils.counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_no_op_conversion_inside_forward_neither_breaks_the_graph_nor_changes_training(mode):
+    torch.manual_seed(0)
+    ref = _ConvertsInForward()
+    ref.zero_grad()
+    ref(torch.cat([batch(1, r, 2)[0] for r in range(2)])).pow(2).mean().backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    results = run_ranks(_converts_in_forward, 2, mode, torch.float32)
+    _check_grads([grads for grads, _ in results], want)
+    for _, graph_breaks in results:
+        assert graph_breaks == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_real_conversion_inside_forward_is_refused(mode):
+    for result in run_ranks(_converts_in_forward, 2, mode, torch.float64):
+        assert result[0] == "error", result
+        assert "cannot move or cast the sharded parameter 'inner.weight'" in result[1]
+
+
+# -- optimizers whose writes leave the version counter alone ----------------------------
+class _DataSGD(torch.optim.Optimizer):
+    """Plain SGD written the old way, through `.data` (no version bump)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+_UNSEEN_WRITERS = {
+    # CPU's fused kernels do not move the parameters' version counters.
+    "fused_adam": lambda params: torch.optim.Adam(params, lr=0.05, fused=True),
+    "data_sgd": lambda params: _DataSGD(params, lr=0.2),
+}
+_UNSEEN_STEPS = 4
+
+
+def _unseen_writes(rank, world, mode, optimizer, group=None):
+    import sharc
+
+    model = make_net()
+    # Kept gathered between steps: every parameter (eager), or what the
+    # compiled schedule keeps on its own (selective unsharding).
+    config = sharc.ShardConfig(keep_gathered=("*",)) if mode == "eager" else None
+    sharc.shard(model, group, config=config)
+    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    opt = _UNSEEN_WRITERS[optimizer](model.parameters())
+    losses, kept = [], []
+    for it in range(_UNSEEN_STEPS):
+        loss = step(*batch(it, rank, world)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        kept.append(sharc.memory_stats(group)["kept_gathered_bytes"])
+    return losses, kept, sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameters_kept_gathered_see_optimizer_writes_the_version_counter_misses(mode):
+    runs = _cases_in_one_launch(_unseen_writes, mode, tuple(_UNSEEN_WRITERS))
+    for optimizer, results in runs.items():
+        ref = make_net()
+        opt = _UNSEEN_WRITERS[optimizer](ref.parameters())
+        want = []
+        for it in range(_UNSEEN_STEPS):
+            x = torch.cat([batch(it, r, 2)[0] for r in range(2)])
+            loss = ref(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            want.append(float(loss))
+        for losses, kept, full in results:
+            assert min(kept) > 0, f"{optimizer}: nothing kept gathered, the test proves nothing"
+            got = [sum(r[0][i] for r in results) / 2 for i in range(_UNSEEN_STEPS)]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{optimizer} losses: {m}")
+            for name, value in ref.state_dict().items():
+                torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{optimizer} {name}: {m}")

@@ -97,6 +97,11 @@ struct ShardedParam {
   ParamStateMachine state;
   std::shared_ptr<GatherInFlight> pending;  ///< the gather in flight, if any
   int64_t gathered_version = -1;  ///< the shard's version counter when gathered
+  /// The shard was written where its version counter does not show it
+  /// (CPU's fused optimizer kernels, writes through `.data`), as an
+  /// optimizer step reports (Runtime::note_shards_written); cleared when a
+  /// gather starts.
+  bool written_unseen = false;
   GatherSpec spec;
   /// Flat full gradient summed over no_sync micro-batches, not yet reduced.
   at::Tensor unreduced;
@@ -412,6 +417,10 @@ class Runtime : public torch::CustomClassHolder {
   bool is_persistent(int64_t id);
   /// ShardedParam::shard_changed of `id`.
   bool shard_changed_since_gather(int64_t id);
+  /// The shards `ids` were written (an optimizer step ran over them): a
+  /// buffer kept gathered from them is stale whatever their version
+  /// counters say, and is gathered again at its next read.
+  void note_shards_written(const std::vector<int64_t>& ids);
   /// Every persistent parameter's id and full bytes in its gather dtype:
   /// what stays gathered whichever graph runs (the scheduler's budget
   /// counts them in every graph).

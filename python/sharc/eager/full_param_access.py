@@ -51,9 +51,14 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
     module: refused before anything changes (a buffer anywhere below
     included) if it would change the dtype or device of a shard in the
     subtree, which the runtime registered and gathers into."""
-    subtree = module.modules() if recurse else [module]
-    refs = [ref for sub in subtree if (state := state_of(sub)) is not None
-            for ref in state.refs.values()]
+    # A plain loop, no walrus inside a comprehension: that makes `state` a
+    # cell variable, which Dynamo cannot read before it is set, and HF
+    # models call `.to()` inside forward (a graph break per call).
+    refs = []
+    for sub in module.modules() if recurse else [module]:
+        state = state_of(sub)
+        if state is not None:
+            refs.extend(state.refs.values())
     for ref in refs:
         shard = ref.shard
         probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
