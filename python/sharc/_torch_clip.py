@@ -4,32 +4,38 @@
 A training loop written for one process clips with
 `torch.nn.utils.clip_grad_norm_`. On shards that would measure each rank's
 own slice and scale every rank by a different factor, silently (see
-[Note: clipping shards] in clip.py). So shard() wraps torch's function,
-once per process: a call given any shard is served by
-`sharc.clip_grad_norm_` over the shards' group (the global norm and one
-factor on every rank; a collective, every rank calls it, as with FSDP2's
-sharded parameters), and a call given no shard goes to torch's function
-as it is. Shards beside parameters sharc does not hold, or shards of two
-groups, are refused with the error sharc.clip_grad_norm_ gives. Code that
-bound torch's function to a name of its own before shard() ran (`from
-torch.nn.utils import clip_grad_norm_` at import) keeps torch's; the
-README points to sharc.clip_grad_norm_.
+[Note: clipping shards] in clip.py). So `import sharc` wraps torch's
+functions, once per process: a clip_grad_norm_ call given any shard is
+served by `sharc.clip_grad_norm_` over the shards' group (the global norm
+and one factor on every rank; a collective, every rank calls it, as with
+FSDP2's sharded parameters), and a call given no shard goes to torch's
+function as it is. Code that bound torch's function to a name of its own
+before `import sharc` still reaches the norm through the module global
+torch's function reads at each call (`_get_total_norm`), which is wrapped
+too, as is `torch.nn.utils.get_total_norm`: given shard gradients, their
+norm across the group. Shards beside parameters sharc does not hold, or
+shards of two groups, are refused with the error sharc.clip_grad_norm_
+gives.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
 from sharc._state import live_group
-from sharc.clip import clip_grad_norm_ as sharc_clip
+from sharc.clip import as_norm_tensor, clip_grad_norm_ as sharc_clip
+from sharc.clip import _check_norm_args as check_norm_args, global_norm as sharc_norm
 
 SHARD_GROUP = "_sharc_shard_group"  # on a shard (nn.Parameter): its group's name
+_SHARDS: "weakref.WeakSet[torch.nn.Parameter]" = weakref.WeakSet()  # every live shard
 
 
 def mark_shard(shard: torch.nn.Parameter, group_name: str) -> None:
     setattr(shard, SHARD_GROUP, group_name)
+    _SHARDS.add(shard)
 
 
 def install() -> None:
@@ -44,6 +50,12 @@ def install() -> None:
     wrapped = _wrap(torch_clip)
     clip_grad.clip_grad_norm_ = wrapped
     nn_utils.clip_grad_norm_ = wrapped
+    # torch's clip_grad_norm_ reads this module global at every call, so even
+    # a name bound to torch's function before this ran measures shards whole.
+    norm = _wrap_total_norm(clip_grad._get_total_norm)
+    clip_grad._get_total_norm = norm
+    if getattr(nn_utils, "get_total_norm", None) is not None:
+        nn_utils.get_total_norm = norm
 
 
 def _wrap(torch_clip):
@@ -63,3 +75,33 @@ def _wrap(torch_clip):
 
     clip_grad_norm_._sharc_wraps = torch_clip
     return clip_grad_norm_
+
+
+def _wrap_total_norm(torch_norm):
+    """torch.nn.utils.get_total_norm, and the norm torch's clip_grad_norm_
+    takes (however the caller bound it): given shard gradients, their norm
+    across the group, the same on every rank; given none, torch's."""
+
+    @functools.wraps(torch_norm)
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        owners = {id(p.grad): p for p in list(_SHARDS) if p.grad is not None}
+        shards = [owners.get(id(t)) for t in tensors]
+        groups = sorted({getattr(p, SHARD_GROUP) for p in shards if p is not None})
+        if not groups:
+            return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        group = live_group(groups[0], "these gradients' parameters are shards of")
+        foreign = [i for i, p in enumerate(shards)
+                   if p is None or getattr(p, SHARD_GROUP) != groups[0]]
+        problem = None if not foreign else (
+            f"{len(foreign)} of the {len(tensors)} gradients given to get_total_norm (the "
+            f"first: #{foreign[0]}, shape {tuple(tensors[foreign[0]].shape)}) are not "
+            f"gradients of shards of group '{groups[0]}', beside others that are: a shard "
+            "holds a slice of its gradient, another tensor a whole one, so no norm of them "
+            "together is meaningful; take the norms of shards and other gradients apart")
+        _, p = check_norm_args(0.0, norm_type)
+        total = sharc_norm(tensors, p, group, problem, error_if_nonfinite)
+        return as_norm_tensor(total, tensors, group)
+
+    get_total_norm._sharc_wraps = torch_norm
+    return get_total_norm

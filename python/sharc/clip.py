@@ -56,20 +56,34 @@ def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor] | torch
     params = _parameter_list(parameters)
     max_norm, p = _check_norm_args(max_norm, norm_type)
     grads = [t.grad for t in params if t.grad is not None]
-    device = grads[0].device if grads else _validate.group_device(group)
-    problem = _shard_problem(params, group)
-    total = _all_reduce(_local_norm_power(grads, p, device), problem, p, group)
-    if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients is {total}, so they cannot "
-            "be clipped; find where the NaN or inf comes from (e.g. a too high learning rate, "
-            "or torch.autograd.set_detect_anomaly(True)), or pass error_if_nonfinite=False")
+    total = global_norm(grads, p, group, _shard_problem(params, group), error_if_nonfinite)
     coef = max_norm / (total + 1e-6)
     if not coef >= 1.0:  # a NaN norm makes every gradient NaN, as in torch
         with torch.no_grad():
             for g in grads:
                 g.mul_(coef)
+    return as_norm_tensor(total, grads, group)
+
+
+def global_norm(grads: list[torch.Tensor], p: float, group, problem: str | None,
+                error_if_nonfinite: bool) -> float:
+    """The p-norm of every rank's shard gradients `grads` together (one
+    collective over `group`, which every rank joins, `problem` or not: a
+    rank that found one raises it, the others a pointer to it)."""
+    device = grads[0].device if grads else _validate.group_device(group)
+    total = _all_reduce(_local_norm_power(grads, p, device), problem, p, group)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {p} of the gradients is {total}, so they cannot "
+            "be clipped; find where the NaN or inf comes from (e.g. a too high learning rate, "
+            "or torch.autograd.set_detect_anomaly(True)), or pass error_if_nonfinite=False")
+    return total
+
+
+def as_norm_tensor(total: float, grads: list[torch.Tensor], group) -> torch.Tensor:
+    """The norm as torch returns it: a 0-dim tensor in the gradients' dtype."""
     dtype = grads[0].dtype if grads else torch.get_default_dtype()
+    device = grads[0].device if grads else _validate.group_device(group)
     return torch.tensor(total, dtype=dtype, device=device)
 
 

@@ -46,17 +46,25 @@ def _sharded(rank, world):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         torch.optim.SGD(model.parameters(), lr=LR).step()
         out[norm_type] = (float(total), total.dtype, grads, sharc.full_state_dict(model))
-    # torch's own function, as a single-process loop calls it, on a
-    # generator of the parameters ([Note: torch's clipping on shards]).
-    for norm_type in NORMS:
-        model = make_parity_model()
-        sharc.shard(model)
-        x, y = global_batch(0, 4)
-        model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
-        total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        torch.optim.SGD(model.parameters(), lr=LR).step()
-        out["torch", norm_type] = (float(total), total.dtype, grads, sharc.full_state_dict(model))
+    # torch's own functions, as a single-process loop calls them, on a
+    # generator of the parameters ([Note: torch's clipping on shards]): the
+    # name torch exports; torch's function itself, as code that bound it
+    # before sharc wrapped it holds it; the norm, then the clipping.
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    for via, clip in {"torch": torch_clip,
+                      "torch, bound early": torch_clip._sharc_wraps,
+                      "get_total_norm": _norm_then_clip}.items():
+        for norm_type in NORMS:
+            model = make_parity_model()
+            sharc.shard(model)
+            x, y = global_batch(0, 4)
+            model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+            total = clip(model.parameters(), MAX_NORM, norm_type)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                     if p.grad is not None}
+            torch.optim.SGD(model.parameters(), lr=LR).step()
+            out[via, norm_type] = (float(total), total.dtype, grads,
+                                   sharc.full_state_dict(model))
     # A module sharc does not hold still gets torch's function as it is.
     plain = make_parity_model()
     plain(*global_batch(0, 4)).backward()
@@ -65,18 +73,26 @@ def _sharded(rank, world):
     return out
 
 
+def _norm_then_clip(parameters, max_norm, norm_type):
+    params = list(parameters)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                          norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 @pytest.fixture(scope="module")
 def sharded():
     return run_ranks(_sharded, WORLD, timeout=180)
 
 
-@pytest.mark.parametrize("via", ["sharc", "torch"])
+@pytest.mark.parametrize("via", ["sharc", "torch", "torch, bound early", "get_total_norm"])
 @pytest.mark.parametrize("norm_type", NORMS)
 def test_matches_unsharded_clipping(sharded, norm_type, via):
     ref_total, ref_grads, ref_state = _reference(norm_type)
     assert ref_total > 4 * MAX_NORM, "the reference must really clip"
     for rank, results in enumerate(sharded):
-        total, dtype, grads, state = results[norm_type if via == "sharc" else ("torch", norm_type)]
+        total, dtype, grads, state = results[norm_type if via == "sharc" else (via, norm_type)]
         assert dtype == torch.float32
         assert total == pytest.approx(ref_total, rel=1e-5)
         assert set(grads) == set(ref_grads)
