@@ -77,3 +77,61 @@ def test_a_cache_hit_trains_identically_and_other_layouts_do_not_hit(tmp_path):
     for r, before in zip(elsewhere, first):
         assert _lookups(r) == {"hit": 0, "miss": graphs, "bypass": 0}, _lookups(r)
         assert r[0] == before[0]  # the same arithmetic, compiled anew
+
+
+# -- a backward that keeps its graph ----------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 5),
+                               torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _mlp_batch(rank):
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(7 + rank))
+
+
+def _backwards(out, retain):
+    """Two losses' backward passes over one forward, the first keeping the
+    graph (retain), or their sum's backward."""
+    losses = (out.pow(2).mean(), out.abs().mean())
+    if not retain:
+        sum(losses).backward()
+        return
+    for i, loss in enumerate(losses):
+        loss.backward(retain_graph=i < len(losses) - 1)
+
+
+def _mlp_grads(rank, world, cache_dir, retain):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    from torch._dynamo.utils import counters
+
+    import sharc
+
+    counters.clear()
+    model = _mlp()
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc", options=OPTIONS)
+    _backwards(step(_mlp_batch(rank)), retain)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads, {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items()
+                   if k.startswith("fxgraph_cache_")}
+
+
+def test_a_backward_that_keeps_its_graph_never_runs_code_compiled_for_one_that_did_not(
+        tmp_path):
+    """[Note: a backward graph's donated buffers] in sharc/_compile/backend.py:
+    a graph whose backward was compiled by a backward that let go of its
+    saved tensors writes results over them; a later process whose backward
+    keeps the graph must not find that code in the cache."""
+    from models import shard_of
+
+    cache_dir = str(tmp_path)
+    run_ranks(_mlp_grads, 2, cache_dir, False)  # compiles and stores both graphs
+    kept = run_ranks(_mlp_grads, 2, cache_dir, True)
+    ref = _mlp()
+    _backwards(ref(torch.cat([_mlp_batch(r) for r in range(2)])), True)
+    for rank, (grads, cache) in enumerate(kept):
+        assert cache.get("hit", 0) >= 1, cache  # the forward graph: the same key
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], shard_of(p.grad, rank, 2), rtol=1e-5,
+                                       atol=1e-7, msg=lambda m: f"rank {rank} {name}: {m}")

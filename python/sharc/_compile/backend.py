@@ -70,7 +70,7 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
         # again, so that they hold for it too and its FX graph cache key
         # carries the joint pass's uuid (without it a backward compiled by
         # an older sharc was a cache hit).
-        with inductor_config.patch(settings):
+        with inductor_config.patch(_keyed_settings(settings, kind)):
             return compile_fx_inner(graph_module, inputs, **kwargs)
 
     # Inductor's FX graph cache stays on (see [Note: sharc and Inductor's
@@ -85,6 +85,26 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
     return in_pass_order(compiled, forward_groups, compilation.config)
+
+
+def _keyed_settings(settings: dict, kind: str) -> dict:
+    """[Note: a backward graph's donated buffers]
+    AOTAutograd lets Inductor write a backward graph's results into the
+    buffers of saved tensors that backward uses last ("donated buffers"),
+    unless the backward that compiles it keeps its graph (`retain_graph=True`,
+    decided at that first backward). Inductor's FX graph cache key leaves
+    that decision out, so one graph compiled both ways is one key: a job
+    whose backward retains its graph could get code compiled by another that
+    did not, which overwrites saved tensors the second backward reads (wrong
+    gradients, silently). The donated inputs go into the key here, through
+    the joint pass's uuid."""
+    if kind != "backward":
+        return settings
+    from torch._inductor.utils import get_donated_idxs
+
+    donated = sorted(get_donated_idxs() or ())
+    return dict(settings, joint_custom_post_pass=settings["joint_custom_post_pass"].keyed(
+        f"donated={donated}"))
 
 
 def _compile_without_inductor(gm, example_inputs, compilation: fx_pipeline.Compilation):

@@ -102,11 +102,18 @@ class JointGraphPass(CustomGraphPass):
     """The "joint" transforms in the form Inductor's `joint_custom_post_pass`
     hook takes."""
 
-    def __init__(self, compilation: Compilation) -> None:
+    def __init__(self, compilation: Compilation, key_extra: str = "") -> None:
         self.compilation = compilation
+        self.key_extra = key_extra
 
     def __call__(self, graph: fx.Graph) -> None:
         run("joint", graph, self.compilation)
+
+    def keyed(self, extra: str) -> "JointGraphPass":
+        """The same pass, its uuid (so the FX graph cache key of a graph
+        compiled under it) also carrying `extra`: a fact that changes what
+        Inductor makes of a graph but that Inductor's key leaves out."""
+        return JointGraphPass(self.compilation, extra)
 
     def uuid(self):
         """Part of Inductor's FX graph cache key: what of sharc decides the
@@ -117,6 +124,7 @@ class JointGraphPass(CustomGraphPass):
         from sharc._compile import (escaping, inductor_lowerings, ops, recompute,
                                     sparse_gradients)
 
-        return get_hash_for_files((__file__, escaping.__file__, ops.__file__,
-                                   recompute.__file__, sparse_gradients.__file__,
-                                   inductor_lowerings.__file__, str(_library._LIBRARY)))
+        files = get_hash_for_files((__file__, escaping.__file__, ops.__file__,
+                                    recompute.__file__, sparse_gradients.__file__,
+                                    inductor_lowerings.__file__, str(_library._LIBRARY)))
+        return files + self.key_extra.encode() if self.key_extra else files
