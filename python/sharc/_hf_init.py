@@ -56,7 +56,13 @@ def _initializer(model: torch.nn.Module):
     modules marked initialised and marks them)."""
     fn = model._initialize_weights
     if len(inspect.signature(fn).parameters) >= 2:  # transformers 5: (module, is_custom_code)
-        custom = bool(getattr(model, "is_custom_code", lambda: False)())
+        # Asked of the model's own class: sharc's sharded subclass is defined
+        # outside transformers, which would make any model "custom code", and
+        # custom code skips every module whose own parameters are all marked
+        # initialised (so every module without parameters of its own: a
+        # model's root, whose `_init_weights` may write its children's).
+        cls = getattr(model, "_sharc_original_class", type(model))
+        custom = bool(getattr(cls, "is_custom_code", lambda: False)())
         return lambda module: fn(module, custom)
     return fn
 

@@ -23,8 +23,13 @@ FIX = ("call sharc.init_weights(model) (random initialisation, as if built norma
 class PendingInit:
     """What shard() left on a meta-built root until its values arrive."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, shards) -> None:
+    def __init__(self, module: torch.nn.Module, device: torch.device, shards,
+                 written_when_built: frozenset[int] = frozenset()) -> None:
         self.device = device  # where shards and materialised buffers live
+        # Ids of the parameters that the model's construction wrote in place
+        # (their meta tensor's version counter moved: an `nn.init` call in an
+        # `__init__`), for init_weights (_init_rebuild.py).
+        self.written_when_built = written_when_built
         self._shards = list(shards)
         for name, shard in self._shards:
             setattr(shard, AWAITING, name)

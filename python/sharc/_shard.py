@@ -121,8 +121,9 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     per_module.setdefault(module, {})  # the root too: it refuses deepcopy and casts
     root = _ShardedRoot(group, runtime, refs_by_param, checks)
     if meta:
-        root.pending_init = PendingInit(module, device,
-                                        [(r.fqn, r.shard) for r in refs_by_param.values()])
+        root.pending_init = PendingInit(
+            module, device, [(r.fqn, r.shard) for r in refs_by_param.values()],
+            frozenset(r.pid for p, r in refs_by_param.items() if p._version > 0))
     for sub, refs in per_module.items():
         state = ModuleState(refs, schedule, root if sub is module else None)
         full_param_access.install(sub, state)

@@ -14,9 +14,11 @@ random stream, module by module:
 
 1. every module, children before parents (`named_modules()` registration
    order, each module once): its `reset_parameters()` (torch's
-   MultiheadAttention: `_reset_parameters()`), then sharc's
-   `reset_buffers()` hook; a transformers `PreTrainedModel` then replays its
-   `post_init()` (_hf_init.py);
+   MultiheadAttention: `_reset_parameters()`), or, for a leaf without one
+   that can be built again from its attributes, a twin of it built where
+   it was (_init_rebuild.py: its `__init__`'s draws, such as transformers'
+   Conv1D's); then sharc's `reset_buffers()` hook; a transformers
+   `PreTrainedModel` then replays its `post_init()` (_hf_init.py);
 2. with `init_fn`: `init_fn(module)` for every module in `Module.apply`
    order, as a root `__init__` ending in `self.apply(init_fn)` does.
 
@@ -48,11 +50,15 @@ containers that clone).
 Where the replay cannot match (docs/design/meta-init.md says what to do):
 a submodule built in another order than it is registered in, or built and
 then dropped; random values drawn in `__init__` outside `reset_parameters()`
-(`nn.Parameter(torch.randn(...))`: such a module has no initialiser and is
-refused unless `init_fn` covers it); a tie that hands an earlier module a
-later module's parameter; an `init_fn` pass that ran before the tie; a
-module of the user's that deep-copies submodules in its `__init__` (the
-replay draws for each copy).
+by a module that cannot be built again (one with submodules, or whose
+arguments are not kept as attributes): refused if nothing else initialises
+it, and refused anyway if the draw wrote its parameter in place (an
+`nn.init` call moves the meta tensor's version counter), since every later
+draw would shift; `nn.Parameter(torch.randn(...))` under `init_fn` or a
+transformers model leaves no such trace and shifts the stream silently; a
+tie that hands an earlier module a later module's parameter; an `init_fn`
+pass that ran before the tie; a module of the user's that deep-copies
+submodules in its `__init__` (the replay draws for each copy).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import functools
 
 import torch
 
-from sharc import _hf_init, _init_clones, _rank_check
+from sharc import _hf_init, _init_clones, _init_rebuild, _rank_check
 from sharc._init_unit import InitProgress
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
 from sharc._state import state_of
@@ -91,13 +97,14 @@ def init_weights(module: torch.nn.Module, init_fn=None) -> None:
                         f"None, got {init_fn!r}")
     owners = _creators(model, root)
     hf_owners = _hf_init.owners(model)
-    _check_initialisers(model, root, owners, init_fn, hf_owners)
+    rebuilds = _check_initialisers(model, root, owners, init_fn, hf_owners,
+                                   pending.written_when_built)
     root.checks.agree(_rank_check.INIT_WEIGHTS)
     buffers = MetaBuffers(model)
     buffers.allocate(pending.device)
     progress = InitProgress(root, state_of(model).schedule, pending.device, owners)
     with torch.no_grad():
-        _replay_construction(model, progress)
+        _replay_construction(model, progress, rebuilds)
         if init_fn is not None:
             for sub in _apply_order(model):
                 progress.run(sub, functools.partial(init_fn, sub), as_constructed=False)
@@ -149,7 +156,8 @@ def _reset_method(module: torch.nn.Module):
     return None
 
 
-def _replay_construction(model: torch.nn.Module, progress: InitProgress) -> None:
+def _replay_construction(model: torch.nn.Module, progress: InitProgress,
+                         rebuilds: dict[int, _init_rebuild.Plan]) -> None:
     def run_as_built(sub, fn):
         progress.run(sub, fn, as_constructed=True)
 
@@ -160,6 +168,10 @@ def _replay_construction(model: torch.nn.Module, progress: InitProgress) -> None
             run_as_built(sub, functools.partial(_init_clones.copy_values, progress, sub,
                                                 prototype))
             continue
+        twin = rebuilds.get(id(sub))
+        if twin is not None:  # its __init__ wrote its values: built again, drawing alike
+            run_as_built(sub, functools.partial(_init_rebuild.copy_from_twin, twin, sub,
+                                                progress.device))
         reset = _reset_method(sub)
         if reset is not None:
             run_as_built(sub, reset)
@@ -173,18 +185,45 @@ def _class_name(module: torch.nn.Module) -> str:
     return getattr(module, "_sharc_original_class", type(module)).__name__
 
 
-def _check_initialisers(model, root, owners, init_fn, hf_owners) -> None:
+def _check_initialisers(model, root, owners, init_fn, hf_owners,
+                        written_when_built) -> dict[int, _init_rebuild.Plan]:
     """Before anything is written: every parameter's creator, and every
     module holding a buffer still on the meta device, has something that
-    can initialise it."""
-    if init_fn is not None:
-        return  # it may cover anything; what it leaves is found afterwards
+    can initialise it, and no module's `__init__` wrote values the replay
+    cannot write again. Returns the modules built again (_init_rebuild.py):
+    id -> how."""
+    rebuilds: dict[int, _init_rebuild.Plan] = {}
     for name, sub in model.named_modules():
-        if _reset_method(sub) is not None or id(sub) in hf_owners:
+        if _reset_method(sub) is not None:
             continue
-        created = [local for local, p in sub._parameters.items()
-                   if p is not None and owners[root.refs_by_shard[id(p)].pid] is sub]
+        pids = {local: root.refs_by_shard[id(p)].pid for local, p in sub._parameters.items()
+                if p is not None}
+        created = [local for local, pid in pids.items() if owners[pid] is sub]
+        why = ""
         if created:
+            twin, why = _init_rebuild.plan(sub)
+            if twin is not None:
+                rebuilds[id(sub)] = twin
+                continue
+            written = [local for local in created if pids[local] in written_when_built]
+            if written:
+                cls = _class_name(sub)
+                raise RuntimeError(
+                    f"sharc.init_weights: module '{name}' ({cls}) writes its parameters "
+                    f"{[_join(name, w) for w in written]} in its __init__ (an nn.init call or "
+                    "another in-place write) and has no reset_parameters(). Built normally, "
+                    "those draws come from the random stream where the module is built; on "
+                    "the meta device they drew nothing, and sharc cannot draw them again: "
+                    f"{why}. So this module's values, and those of every module built after "
+                    f"it, would differ from a normal build. Give {cls} a reset_parameters() "
+                    "that initialises them in place (and call it from __init__), keep each "
+                    f"argument of {cls}.__init__ as an attribute of the same name (sharc then "
+                    "builds the module again, drawing alike), or load values with "
+                    "sharc.load_full_state_dict")
+        if init_fn is not None or id(sub) in hf_owners:
+            continue  # they may cover anything; what they leave is found afterwards
+        if created:
+            leaf = next(sub.children(), None) is None
             raise RuntimeError(
                 f"sharc.init_weights: module '{name}' ({_class_name(sub)}) creates the "
                 f"parameters {[_join(name, c) for c in created]} but has no "
@@ -192,7 +231,9 @@ def _check_initialisers(model, root, owners, init_fn, hf_owners) -> None:
                 f"{_class_name(sub)} a reset_parameters() that initialises them in place (and "
                 "call it from __init__, so both ways of building agree), pass "
                 "init_fn=(module -> None) to sharc.init_weights, or load values with "
-                "sharc.load_full_state_dict")
+                "sharc.load_full_state_dict"
+                + (f" (sharc builds such a module again from its __init__ arguments, but "
+                   f"{why})" if leaf else ""))
         meta = [local for local, b in sub._buffers.items() if b is not None and b.is_meta]
         if meta and not has_reset_buffers(sub):
             raise RuntimeError(
@@ -201,6 +242,7 @@ def _check_initialisers(model, root, owners, init_fn, hf_owners) -> None:
                 f"built, and {_class_name(sub)} has no reset_buffers() or reset_parameters() "
                 "to compute it again. Give it a reset_buffers() that fills its buffers in "
                 "place (and call it from __init__), or pass init_fn")
+    return rebuilds
 
 
 def _join(prefix: str, local: str) -> str:

@@ -312,3 +312,135 @@ def test_stock_transformer_layers_are_initialised_as_the_clones_they_were_built_
             assert list(got) == list(want), name
             differ[name] = [k for k, v in want.items() if not torch.equal(got[k], v)]
         assert differ == {name: [] for name in CLONED_LAYERS}
+
+
+def make_gpt2():
+    """transformers' Conv1D draws its weight in __init__, with no
+    reset_parameters(): the replay builds each one again where it was built."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=65, n_positions=16, n_embd=24, n_layer=2, n_head=2,
+                     bos_token_id=1, eos_token_id=2)
+    return GPT2LMHeadModel(cfg)
+
+
+def make_t5(tied: bool):
+    """T5's `_init_weights` on the root model writes its children's
+    parameters (`shared.weight`, untied `lm_head.weight`)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=65, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                   tie_word_embeddings=tied, decoder_start_token_id=0, pad_token_id=0,
+                   eos_token_id=1)
+    return T5ForConditionalGeneration(cfg)
+
+
+class _Drawn(torch.nn.Module):
+    """A leaf that draws in __init__ with no reset_parameters(), keeping its
+    argument: built again by the replay."""
+
+    def __init__(self, n, std=0.5):
+        super().__init__()
+        self.n, self.std = n, std
+        self.w = torch.nn.Parameter(torch.empty(n, n))
+        torch.nn.init.normal_(self.w, std=std)
+
+
+class _DrawnOpaque(torch.nn.Module):
+    """The same without its argument kept: it cannot be built again."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(n, n))
+        torch.nn.init.normal_(self.w)
+
+
+HF_INIT_IN_CONSTRUCTOR = {  # name -> build
+    "gpt2": make_gpt2,
+    "t5": lambda: make_t5(False),
+    "t5_tied": lambda: make_t5(True),
+}
+
+DRAWN_LEAF = {  # a head after it shows the stream was not shifted
+    "drawn_leaf": lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), _Drawn(4, std=0.1),
+                                              torch.nn.Linear(4, 3)),
+}
+
+
+def _meta_and_normal(cases):
+    """name -> the normally built model's state and buffers, and the
+    meta-built model's after init_weights (same seed)."""
+    import transformers  # noqa: F401  (so the models are recognised)
+
+    import sharc
+
+    out = {}
+    for name, build in cases.items():
+        torch.manual_seed(3)
+        normal = build()
+        want = {k: v.clone() for k, v in normal.state_dict().items()}
+        want_buffers = {k: v.clone() for k, v in normal.named_buffers()}
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            meta = build()
+        sharc.shard(meta)
+        sharc.init_weights(meta)
+        out[name] = dict(want=want, got=sharc.full_state_dict(meta), want_buffers=want_buffers,
+                         got_buffers={k: v.clone() for k, v in meta.named_buffers()})
+    return out
+
+
+def _differing(out):
+    """name -> the parameters and buffers that differ from the normal build."""
+    differ = {}
+    for name, case in out.items():
+        assert list(case["got"]) == list(case["want"]), name
+        assert list(case["got_buffers"]) == list(case["want_buffers"]), name
+        differ[name] = [k for k, v in case["want"].items()
+                        if case["got"][k].dtype != v.dtype or not torch.equal(case["got"][k], v)]
+        differ[name] += [k for k, v in case["want_buffers"].items()
+                         if not torch.equal(case["got_buffers"][k], v)]
+    return differ
+
+
+def _hf_init_in_constructor(rank, world):
+    return _meta_and_normal(HF_INIT_IN_CONSTRUCTOR)
+
+
+def test_hf_draws_in_constructors_and_root_writes_into_children_are_replayed():
+    """Bitwise every parameter and buffer of a normal build with the same
+    seed. GPT-2: Conv1D draws its weight in __init__ (no reset_parameters());
+    a lost draw shifts every later value. T5: the root model's
+    `_init_weights` writes `shared.weight` and the untied `lm_head.weight`."""
+    for out in run_ranks(_hf_init_in_constructor, 2):
+        assert _differing(out) == {name: [] for name in HF_INIT_IN_CONSTRUCTOR}
+
+
+def _user_init_in_constructor(rank, world):
+    import sharc
+
+    out = _meta_and_normal(DRAWN_LEAF)
+    opaque = sharc.shard(_meta_model(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                                 _DrawnOpaque(4))))
+    out["opaque_init_fn"] = _error(lambda: sharc.init_weights(opaque, init_fn=lambda m: None))
+    out["opaque"] = _error(lambda: sharc.init_weights(opaque))
+    return out
+
+
+def test_a_leaf_drawing_in_its_constructor_is_built_again_or_refused():
+    """A module of the user's that draws in __init__ without
+    reset_parameters() is built again from the attributes named as its
+    arguments; one that cannot be is refused, naming it, even with init_fn
+    (the stream would shift for every later module)."""
+    for out in run_ranks(_user_init_in_constructor, 2):
+        opaque, opaque_init_fn = out.pop("opaque"), out.pop("opaque_init_fn")
+        assert _differing(out) == {name: [] for name in DRAWN_LEAF}
+        kind, message = opaque_init_fn
+        assert kind == "RuntimeError"
+        assert message.startswith(
+            "sharc.init_weights: module '1' (_DrawnOpaque) writes its parameters ['1.w'] in its "
+            "__init__ (an nn.init call or another in-place write) and has no "
+            "reset_parameters()."), message
+        assert "its __init__ argument 'n' is not kept as an attribute of the same name" in message
+        assert "Give _DrawnOpaque a reset_parameters()" in message
+        assert opaque == opaque_init_fn
