@@ -1,11 +1,12 @@
 """Sizes that change from step to step, the way people train: sequence
 lengths that vary (and differ between ranks within a step), a batch
-dimension marked dynamic, `torch.compile(dynamic=True)`, evaluation at a
-length never trained on, an HF causal LM with gradient checkpointing,
-checkpointed attention, and two models of one class whose inputs differ in
-shape. Each is compared with single-process training, and compiled runs
-count Dynamo's graphs: a new size recompiles at most once (into a graph
-with symbolic sizes), never once per size.
+dimension marked dynamic, `torch.compile(dynamic=True)` (also over inputs
+whose batch equals their length), evaluation at a length never trained
+on, an HF causal LM with gradient checkpointing, checkpointed attention,
+and two models of one class whose inputs differ in shape. Each is
+compared with single-process training, and compiled runs count Dynamo's
+graphs: a new size recompiles at most once (into a graph with symbolic
+sizes), never once per size.
 
 Every rank sees its own lengths, so the unsharded reference runs each
 rank's batch through one model and averages the ranks' losses (what the
@@ -401,3 +402,110 @@ def test_mark_dynamic_and_dynamic_true_compile_once_and_evaluate_at_a_new_length
             assert r["eval_left"] == 0
             # Training: one graph, then the no_grad evaluation: one more.
             assert r["graphs"] == [1, 1, 1, 1], (how, r["graphs"])
+
+
+class _SquareAttention(nn.Module):
+    """Self-attention, then a head over the (batch * length) rows."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.att = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        a, _ = self.att(x, x, x, need_weights=False)
+        return self.head(a.reshape(b * t, d)).square().mean()
+
+
+def _square_attention():
+    torch.manual_seed(0)
+    return _SquareAttention()
+
+
+# Each step's (batch, length) of each rank: batch equals length, so
+# dynamic=True gives both one symbol s, and the weight gradients' sizes come
+# out of batch * length = s**2 as expressions like 64*((4*((s**2)//s))//s):
+# 256 at every s, but not simplified to it by torch.
+SQUARE = (((5, 5), (3, 3)), ((4, 4), (6, 6)), ((7, 7), (4, 4)))
+
+
+def _square_input(step: int, rank: int):
+    batch, length = SQUARE[step][rank]
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(batch, length, 8, generator=g)
+
+
+def _square_runs(rank, world):
+    import sharc
+
+    torch._dynamo.reset()
+    model = _square_attention()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    fn = torch.compile(model, backend="sharc", dynamic=True)
+    losses, graphs = [], []
+    graphs_before = _graph_count()
+    for step in range(len(SQUARE)):
+        loss = fn(_square_input(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        graphs.append(_graph_count() - graphs_before)
+        assert gathered_beyond_kept() == 0
+    return losses, graphs, sharc.full_state_dict(model)
+
+
+def test_dynamic_true_with_batch_equal_to_length():
+    # Before, the backward graph failed to compile: "'mm_2' has a symbolic
+    # size (64*(((4*(((s77**2)//s77)))//s77))), but a sharded parameter and
+    # its gradient have static sizes".
+    results = run_ranks(_square_runs, 2, timeout=600)
+    model = _square_attention()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(len(SQUARE)):
+        per_rank = [model(_square_input(step, r)) for r in range(2)]
+        (sum(per_rank) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        for rank, (losses, _, _) in enumerate(results):
+            want = per_rank[rank].item()
+            assert abs(losses[step] - want) <= 1e-4 * abs(want) + 1e-6, (rank, step, losses)
+    for rank, (_, graphs, params) in enumerate(results):
+        assert graphs == [1] * len(SQUARE), graphs  # one graph for every square size
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+
+
+def test_a_size_constant_in_disguise_is_static_and_a_symbolic_one_is_not():
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from sharc._compile.errors import SharcCompileError
+    from sharc._compile.sizes import SizeSymbols, static_bytes
+
+    env = ShapeEnv()
+    s, t = (env.create_symintnode(env.create_symbol(v, ConstantSource(name),
+                                                    dynamic_dim=DimDynamic.DYNAMIC), hint=v)
+            for name, v in (("s", 5), ("t", 7)))
+    graph = torch.fx.Graph()
+
+    def node(numel):  # a value of 4 * numel bytes, as Dynamo's fake tensors record it
+        n = graph.placeholder(f"x{len(graph.nodes)}")
+        n.meta["val"] = torch.empty(1).expand(numel)
+        return n
+
+    with FakeTensorMode(shape_env=env):
+        constant = node(16 * ((4 * ((s * s) // s)) // s))  # 64 at every s
+        ceiling = node(-((-(3 * s * t)) // (s * t)))       # 3
+        varying = node(4 * ((s * t) // s))                 # 4t
+    assert static_bytes(constant) == 256
+    assert static_bytes(ceiling) == 12
+    with pytest.raises(SharcCompileError, match="symbolic size"):
+        static_bytes(varying)
+    sizes = SizeSymbols()
+    assert sizes.size_of(constant).ir() == "bytes=256"
+    assert sizes.size_of(varying).ir().startswith("bytes=112 sym=")

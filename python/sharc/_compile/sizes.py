@@ -12,6 +12,13 @@ restricted to + - * // % ** Max Min. An expression outside it (true
 division, a rounding function) is written as its hint alone: activation
 sizes only inform costs, and parameters, the only sizes a schedule decides
 anything from, are always static.
+
+A size can also be a constant that torch leaves unsimplified: when two
+input dimensions are equal, `dynamic=True` gives them one symbol `s`, a
+`b*t` becomes `s**2`, and a weight gradient's size comes out as
+`64*((4*((s**2)//s))//s)`, which is 256 at every `s`. Such a size is
+written as the constant (see `_constant`): a parameter's gradient must be,
+and an activation's might as well.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -53,8 +61,9 @@ class SizeSymbols:
             return Size(int(total))
         expr = total.node.expr
         hint = optimization_hint(total, fallback=0)
-        if expr.is_number:
-            return Size(int(expr))
+        constant = _constant(total)
+        if constant is not None:
+            return Size(constant)
         hints = self._symbol_hints(expr, total.node.shape_env)
         text = _checked_text(expr, hints, hint)
         if text is None:
@@ -77,14 +86,73 @@ class SizeSymbols:
 
 def static_bytes(node: fx.Node) -> int:
     """Bytes of a value that must have a static size (a parameter, its
-    gradient); raises naming the node otherwise."""
+    gradient); raises naming the node otherwise. A symbolic size that is a
+    constant in disguise (`_constant`) is that constant."""
     total = _total_bytes(node.meta.get("val"))
     if isinstance(total, torch.SymInt):
+        constant = _constant(total)
+        if constant is not None:
+            return constant
         from sharc._compile.errors import SharcCompileError
         raise SharcCompileError(
             f"sharc: '{node.name}' has a symbolic size ({total}), but a sharded parameter "
             "and its gradient have static sizes; this is a sharc bug, please report it")
     return int(total)
+
+
+def _constant(total: torch.SymInt) -> int | None:
+    """The value of a symbolic size that is the same at every binding of
+    its symbols, or None where it may vary (or that cannot be shown).
+
+    Two ways, neither of which adds a guard: the expression with torch's
+    integer divisions written as sympy's floor and ceiling of a quotient,
+    which sympy cancels (`(s**2)//s` is `floor(s**2/s)`, `floor(s)`, and
+    `s`, an integer symbol), where torch's own division class keeps it;
+    then the graph's ShapeEnv, asked whether the size is statically known
+    to equal its hint (its replacements and value ranges included). A
+    value found the first way must equal the hint too."""
+    expr = total.node.expr
+    if expr.is_number:
+        return int(expr)
+    hint = optimization_hint(total, fallback=0) if total.node.has_hint() else None
+    try:
+        reduced = _as_sympy_integer_math(expr)
+    except (_Unsupported, TypeError, ValueError, ZeroDivisionError) as e:
+        log.debug("sharc: size %s not reduced (%s)", expr, e)
+        reduced = None
+    if reduced is not None and reduced.is_Integer and (hint is None or int(reduced) == hint):
+        return int(reduced)
+    if hint is not None:
+        try:
+            if statically_known_true(total == hint):
+                return int(hint)
+        except Exception as e:  # noqa: BLE001 (a question about the size, never fatal)
+            log.debug("sharc: size %s not asked of the shape env (%s)", expr, e)
+    return None
+
+
+def _as_sympy_integer_math(e: sympy.Expr) -> sympy.Expr:
+    """`e` with torch's integer-division functions replaced by sympy's own
+    arithmetic on the same integers (Python's floor semantics), so that
+    sympy's automatic simplification applies; raises _Unsupported for a
+    function it has no such form of."""
+    if not e.args:
+        return e
+    args = [_as_sympy_integer_math(a) for a in e.args]
+    name = type(e).__name__
+    if name in ("FloorDiv", "CleanDiv"):
+        return sympy.floor(args[0] / args[1])
+    if name == "CeilDiv":
+        return sympy.ceiling(args[0] / args[1])
+    if name in ("Mod", "PythonMod"):
+        return sympy.Mod(args[0], args[1])
+    if name == "ModularIndexing":
+        return sympy.Mod(sympy.floor(args[0] / args[1]), args[2])
+    if name == "PowByNatural":
+        return sympy.Pow(args[0], args[1])
+    if e.is_Add or e.is_Mul or e.is_Pow or name in ("Max", "Min"):
+        return e.func(*args)
+    raise _Unsupported(name)
 
 
 def _total_bytes(val):
