@@ -87,3 +87,20 @@ def recompute_buffers(owner: torch.nn.Module, module: torch.nn.Module) -> None:
     rotary embedding) computed by `owner`'s initialisation."""
     with _guarded():
         owner._init_weights(module)
+
+
+def converts_checkpoints(model: torch.nn.Module) -> str | None:
+    """The model type whose checkpoints transformers converts while loading
+    (key renamings, per-expert tensors merged into one: its
+    `conversion_mapping`), or None. sharc reads a file's tensors as they
+    are, so such a file's keys may not be the model's."""
+    if not is_pretrained(model):
+        return None
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without conversions: files are as saved
+        return None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type and get_checkpoint_conversion_mapping(model_type):
+        return model_type
+    return None

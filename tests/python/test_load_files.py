@@ -149,3 +149,48 @@ def test_wrong_keys_shapes_and_dtypes_raise_on_every_rank_and_write_nothing(tmp_
         assert untouched  # every shard still all zeros
         assert "forward ran before the model built on the meta device has its values" in forward
         assert torch.equal(bias, want_bias)  # the good file still loads afterwards
+
+
+def _tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+        num_experts_per_tok=1, max_position_embeddings=16))
+
+
+def _converted_loads(rank, world, directory):
+    import torch.distributed as dist
+
+    import sharc
+
+    if rank == 0:
+        torch.manual_seed(5)
+        model = _tiny_mixtral()
+        model.save_pretrained(os.path.join(directory, "mixtral"))
+        torch.save(model.state_dict(), os.path.join(directory, "mixtral.pt"))
+    dist.barrier()
+    model = _meta(_tiny_mixtral)
+    sharc.shard(model)
+    try:
+        sharc.load_full_state_dict(model, os.path.join(directory, "mixtral"))
+        error = None
+    except KeyError as e:
+        error = str(e)
+    sharc.load_full_state_dict(model, os.path.join(directory, "mixtral.pt"))
+    return error, sharc.full_state_dict(model)
+
+
+def test_a_checkpoint_transformers_converts_on_load_is_refused_saying_how_to_load_it(tmp_path):
+    """transformers 5 saves a Mixtral under its older, per-expert key names
+    and converts them back while loading; sharc reads files as they are."""
+    pytest.importorskip("transformers.conversion_mapping")
+    results = run_ranks(_converted_loads, 2, str(tmp_path))
+    want = torch.load(os.path.join(tmp_path, "mixtral.pt"))
+    for error, loaded in results:
+        assert error is not None and "unexpected keys" in error
+        assert "transformers converts 'mixtral' checkpoints while loading them" in error
+        assert "from_pretrained()" in error
+        for name, value in want.items():
+            assert torch.equal(loaded[name], value), name

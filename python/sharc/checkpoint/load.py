@@ -52,7 +52,7 @@ def load(module: torch.nn.Module, given) -> None:
     model = unwrap_compiled(module)
     source = open_source(given)
     targets = _targets(model, root)
-    _match(targets, source)
+    _match(targets, source, _hf_init.converts_checkpoints(model))
     pending = root.pending_init
     buffers = MetaBuffers(model) if pending is not None else None
     if buffers is not None:
@@ -81,16 +81,23 @@ def _targets(model, root) -> list[_Target]:
     return list(by_tensor.values())
 
 
-def _match(targets: list[_Target], source) -> None:
+def _match(targets: list[_Target], source, converted_type: str | None = None) -> None:
     """Picks each target's key; raises before anything is written on a
-    missing, unexpected or mismatched key, naming it."""
+    missing, unexpected or mismatched key, naming it (and, for a transformers
+    model whose checkpoints transformers converts on load, `converted_type`,
+    how to load such a file)."""
     keys = set(source.keys())
     known = {name for t in targets for name in t.names}
     missing = [t.names[0] for t in targets if not keys & set(t.names)]
     unexpected = sorted(keys - known)
     if missing or unexpected:
+        hint = "" if converted_type is None or not unexpected else (
+            f"; transformers converts '{converted_type}' checkpoints while loading them "
+            "(renamed keys, per-expert tensors merged), which sharc does not: load such a "
+            "checkpoint with from_pretrained() into an unsharded model and pass its "
+            "state_dict() (or a file of it saved with torch.save or safetensors)")
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}")
+                       f"{unexpected}{hint}")
     for t in targets:
         t.key = next(n for n in t.names if n in keys)
         for key in (n for n in t.names if n in keys):
