@@ -100,9 +100,10 @@ def _keyed_settings(settings: dict, kind: str) -> dict:
     the joint pass's uuid."""
     if kind != "backward":
         return settings
-    from torch._inductor.utils import get_donated_idxs
+    from torch._inductor import utils as inductor_utils
 
-    donated = sorted(get_donated_idxs() or ())
+    donated_idxs = getattr(inductor_utils, "get_donated_idxs", None)  # torch >= 2.6
+    donated = sorted((donated_idxs() if donated_idxs else None) or ())
     return dict(settings, joint_custom_post_pass=settings["joint_custom_post_pass"].keyed(
         f"donated={donated}"))
 
