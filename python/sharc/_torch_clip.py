@@ -52,7 +52,10 @@ def install() -> None:
     nn_utils.clip_grad_norm_ = wrapped
     # torch's clip_grad_norm_ reads this module global at every call, so even
     # a name bound to torch's function before this ran measures shards whole.
-    norm = _wrap_total_norm(clip_grad._get_total_norm)
+    torch_norm = getattr(clip_grad, "_get_total_norm", None)  # torch >= 2.6
+    if torch_norm is None:
+        return
+    norm = _wrap_total_norm(torch_norm)
     clip_grad._get_total_norm = norm
     if getattr(nn_utils, "get_total_norm", None) is not None:
         nn_utils.get_total_norm = norm
