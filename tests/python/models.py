@@ -175,7 +175,7 @@ def small_switch_transformers():
 
     torch.manual_seed(0)
     config = SwitchTransformersConfig(
-        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
         num_heads=2, num_experts=4, expert_capacity=8, encoder_sparse_step=1,
         decoder_sparse_step=1, router_jitter_noise=0.0, dropout_rate=0.0,
         decoder_start_token_id=0, pad_token_id=0)

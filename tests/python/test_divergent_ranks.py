@@ -402,7 +402,7 @@ def _switch_transformer(rank, world, mode, units):
     try:
         for it in range(3):
             g = torch.Generator().manual_seed(10 * it + rank)  # each rank its own tokens
-            ids = torch.randint(0, 64, (2, 12), generator=g)
+            ids = torch.randint(0, 64, (1, 4), generator=g)
             loss = step(input_ids=ids, labels=ids).loss
             loss.backward()
             losses.append(float(loss))
@@ -513,7 +513,7 @@ def _switch_gathers(rank, world, prefetch: bool):
     for it in range(4):
         sharc.reset_memory_stats()
         g = torch.Generator().manual_seed(10 * it + rank)  # each rank its own tokens
-        ids = torch.randint(0, 64, (2, 12), generator=g)
+        ids = torch.randint(0, 64, (1, 4), generator=g)
         loss = step(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
