@@ -510,7 +510,7 @@ def _switch_gathers(rank, world, prefetch: bool):
     step = torch.compile(model, backend="sharc", options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {"losses": [], "gathers": [], "prefetches": []}
-    for it in range(4):
+    for it in range(3):
         sharc.reset_memory_stats()
         g = torch.Generator().manual_seed(10 * it + rank)  # each rank its own tokens
         ids = torch.randint(0, 64, (1, 4), generator=g)
