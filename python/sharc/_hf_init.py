@@ -83,24 +83,32 @@ def replay_post_init(model: torch.nn.Module, run) -> None:
 
 
 def recompute_buffers(owner: torch.nn.Module, module: torch.nn.Module) -> None:
-    """The buffers of `module` (one without parameters of its own, such as a
-    rotary embedding) computed by `owner`'s initialisation."""
+    """The buffers of `module` (a rotary embedding's frequencies, an
+    embedding's `position_ids`) computed by `owner`'s initialisation. It may
+    write the module's parameters too: a caller with values to keep runs it
+    on stand-ins (`_init_unit.run_on_scratch`)."""
     with _guarded():
         owner._init_weights(module)
 
 
 def converts_checkpoints(model: torch.nn.Module) -> str | None:
-    """The model type whose checkpoints transformers converts while loading
-    (key renamings, per-expert tensors merged into one: its
-    `conversion_mapping`), or None. sharc reads a file's tensors as they
-    are, so such a file's keys may not be the model's."""
+    """The class name or model type whose checkpoints transformers converts
+    while loading (key renamings, per-expert tensors merged into one: its
+    `conversion_mapping`, looked up for every model in the tree by class
+    name, then by `config.model_type`), or None. sharc reads a file's tensors
+    as they are, so such a file's keys may not be the model's."""
     if not is_pretrained(model):
         return None
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # a transformers without conversions: files are as saved
         return None
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type and get_checkpoint_conversion_mapping(model_type):
-        return model_type
+    for _, sub in model.named_modules():
+        if not is_pretrained(sub):
+            continue
+        cls = getattr(sub, "_sharc_original_class", type(sub)).__name__
+        model_type = getattr(getattr(sub, "config", None), "model_type", None)
+        for name in (cls, model_type):
+            if name and get_checkpoint_conversion_mapping(name):
+                return name
     return None

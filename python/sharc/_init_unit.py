@@ -153,3 +153,44 @@ class _Unit(dict):
             self.progress.runtime.load_full(pid, full)
             self.progress.written.add(pid)
 
+
+
+class ScratchUnit(dict):
+    """Parameter id -> a meta tensor of the parameter's full size: the unit
+    of an initialiser run only for what it computes besides parameters (a
+    module's non-persistent buffers, when a load has the parameters' values).
+    Its writes to parameters land nowhere and take no memory."""
+
+    def __init__(self, refs):
+        super().__init__()
+        self.refs = {ref.pid: ref for ref in refs}
+        self.pid_of = shard_lookup(self.refs.values())
+
+    def __missing__(self, pid: int) -> torch.nn.Parameter:
+        ref = self.refs[pid]
+        self[pid] = torch.nn.Parameter(
+            torch.empty(ref.shape, dtype=ref.shard.dtype, device="meta"), requires_grad=False)
+        return self[pid]
+
+    def full_of_shard(self, tensor: torch.Tensor) -> torch.nn.Parameter | None:
+        pid = self.pid_of(tensor)
+        return None if pid is None else self[pid]
+
+
+def run_on_scratch(root, schedule, module: torch.nn.Module, fn) -> None:
+    """Runs `fn()` (an initialiser of `module`) with every parameter it
+    reaches standing as a meta tensor, so that only its buffer writes take
+    effect. Communicates nothing."""
+    unit = ScratchUnit(root.refs_by_shard.values())
+    state = state_of(module)
+    originals = {}
+    for local, ref in (state.refs.items() if state is not None else ()):
+        originals[local] = module._parameters[local]
+        module._parameters[local] = unit[ref.pid]
+    schedule.unsharded = unit
+    try:
+        with ShardsAsFull(unit.full_of_shard):
+            fn()
+    finally:
+        schedule.unsharded = None
+        module._parameters.update(originals)

@@ -194,3 +194,62 @@ def test_a_checkpoint_transformers_converts_on_load_is_refused_saying_how_to_loa
         assert "from_pretrained()" in error
         for name, value in want.items():
             assert torch.equal(loaded[name], value), name
+
+
+def _tiny_hf(name):
+    import transformers as T
+
+    torch.manual_seed(6)
+    if name == "roberta":  # position_ids: a non-persistent buffer beside the embeddings
+        return T.RobertaForSequenceClassification(T.RobertaConfig(
+            vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=24, max_position_embeddings=24, num_labels=3, pad_token_id=1))
+    if name == "gemma2":  # embed_scale: likewise, in the scaled word embedding
+        return T.Gemma2ForCausalLM(T.Gemma2Config(
+            vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, intermediate_size=24,
+            max_position_embeddings=16))
+    return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(  # renames embed_out -> lm_head on load
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, max_position_embeddings=16))
+
+
+def _hf_buffer_loads(rank, world, directory):
+    import torch.distributed as dist
+
+    import sharc
+
+    out = {}
+    for name in ("roberta", "gemma2", "gptneox"):
+        if rank == 0:
+            _tiny_hf(name).save_pretrained(os.path.join(directory, name))
+        dist.barrier()
+        model = _meta(lambda n=name: _tiny_hf(n))
+        sharc.shard(model, dist.new_group())
+        try:
+            sharc.load_full_state_dict(model, os.path.join(directory, name))
+        except KeyError as e:
+            out[name] = str(e)
+            continue
+        out[name] = (sharc.full_state_dict(model),
+                     {k: b.clone() for k, b in model.named_buffers()})
+    return out
+
+
+def test_hf_models_whose_embeddings_hold_computed_buffers_load_from_their_directories(tmp_path):
+    """RoBERTa's position_ids and Gemma2's embed_scale are buffers no file
+    has, in modules with parameters: transformers' initialisation computes
+    them, run on stand-ins so the loaded weights stay. A model whose
+    checkpoints transformers renames by class name (GPTNeoX) gets the hint."""
+    pytest.importorskip("transformers.conversion_mapping")
+    results = run_ranks(_hf_buffer_loads, 2, str(tmp_path))
+    for name in ("roberta", "gemma2"):
+        want = _tiny_hf(name)
+        for out in results:
+            params, buffers = out[name]
+            for key, value in want.state_dict().items():
+                assert torch.equal(params[key], value), (name, key)
+            for key, value in want.named_buffers():
+                assert torch.equal(buffers[key], value), (name, key)
+    for out in results:
+        assert "transformers converts 'GPTNeoXForCausalLM' checkpoints" in out["gptneox"]

@@ -16,6 +16,7 @@ docs/design/meta-init.md).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,8 +26,9 @@ import torch.distributed as dist
 from sharc import _hf_init, _rank_check
 from sharc._flat_chunks import owned_range
 from sharc._host_memory import give_back_freed_memory
+from sharc._init_unit import run_on_scratch
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
-from sharc._state import sharded_root, unwrap_compiled
+from sharc._state import sharded_root, state_of, unwrap_compiled
 from sharc.checkpoint.load_sources import open_source
 from sharc.checkpoint.state_dict_hooks import own_state_dict
 
@@ -132,8 +134,12 @@ def _write(targets: list[_Target], source, model, group) -> None:
 def _recompute_plan(buffers: MetaBuffers, model):
     """(module, how) for each module holding a non-persistent meta buffer, a
     file never has: its reset_buffers(), or its Hugging Face model's
-    initialisation if it has no parameters to disturb; None if neither."""
+    initialisation (`position_ids`, `embed_scale`), run with the module's
+    parameters as meta stand-ins so that the values just loaded stay
+    untouched; None if neither."""
     hf_owners = _hf_init.owners(model)
+    root = sharded_root(model)
+    schedule = state_of(model).schedule
     plan, seen = [], set()
     for buf in buffers.buffers:
         if buf.persistent:
@@ -144,9 +150,11 @@ def _recompute_plan(buffers: MetaBuffers, model):
         seen.add(id(module))
         if has_reset_buffers(module):
             plan.append((buf, module, module.reset_buffers))
-        elif id(module) in hf_owners and not any(True for _ in module.parameters()):
+        elif id(module) in hf_owners:
             owner = hf_owners[id(module)]
-            plan.append((buf, module, lambda o=owner, m=module: _hf_init.recompute_buffers(o, m)))
+            plan.append((buf, module, functools.partial(
+                run_on_scratch, root, schedule, module,
+                functools.partial(_hf_init.recompute_buffers, owner, module))))
         else:
             plan.append((buf, module, None))
     return plan
