@@ -130,6 +130,15 @@ def _errors(rank, world):
             errors[name] = "no error"
         except RuntimeError as e:
             errors[name] = str(e)
+    # Freezing through the copy would freeze nothing the optimizer holds;
+    # unfreezing a frozen one would silently leave it frozen.
+    for name, toggle in (("requires_grad_", lambda w: w.requires_grad_(False)),
+                         ("requires_grad=", lambda w: setattr(w, "requires_grad", True))):
+        try:
+            toggle(model[2].weight)
+            errors[name] = "no error"
+        except RuntimeError as e:
+            errors[name] = str(e)
     logged = model[2].weight
     errors["reads"] = (logged.norm().item() > 0, type(logged * 2) is torch.Tensor)
     errors["own_copy"] = type(logged.clone()) is torch.Tensor  # a clone is the user's own
@@ -159,6 +168,9 @@ def test_lost_or_diverging_writes_raise():
         assert "__setitem__ on it would change the copy only" in errors["index"]
         for name in ("init.normal_", "init.kaiming_uniform_", "init.eye_", "reset_parameters"):
             assert "'2.weight' read outside forward is a copy" in errors[name], (name, errors)
+        for name in ("requires_grad_", "requires_grad="):
+            assert "freezing or unfreezing it would change the copy only" in errors[name]
+            assert "dict(model.named_parameters())['2.weight']" in errors[name]
         assert errors["reads"] == (True, True)  # reading it works, results are tensors
         assert errors["own_copy"]
         assert errors["sparse"]

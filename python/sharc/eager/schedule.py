@@ -160,7 +160,15 @@ def _saved_copy(t: torch.Tensor) -> _SavedCopy | None:
 _WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                      "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
                      "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
-_HARMLESS = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+_HARMLESS = frozenset({"retain_grad", "share_memory_"})
+
+
+def _sets_requires_grad(func, name: str) -> bool:
+    """`w.requires_grad_(...)` or `w.requires_grad = ...`."""
+    if name == "requires_grad_":
+        return True
+    owner = getattr(func, "__self__", None)
+    return name == "__set__" and getattr(owner, "__name__", "") == "requires_grad"
 
 
 class OutsideForwardCopy(torch.Tensor):
@@ -182,6 +190,14 @@ class OutsideForwardCopy(torch.Tensor):
         target = _first_tensor(args, kwargs)
         if isinstance((kwargs or {}).get("out"), cls):  # torch.eye(n, out=w): a write too
             in_place, target = True, kwargs["out"]
+        if isinstance(target, cls) and _sets_requires_grad(func, name):
+            # On the copy it would freeze or unfreeze nothing that trains.
+            raise RuntimeError(
+                f"sharc: '{target.sharc_fqn}' read outside forward is a copy of the sharded "
+                "parameter; freezing or unfreezing it would change the copy only. Set "
+                "requires_grad on the shard the optimizer holds: "
+                "`for p in module.parameters(): p.requires_grad_(flag)`, or "
+                f"`dict(model.named_parameters())['{target.sharc_fqn}'].requires_grad_(flag)`")
         if in_place and isinstance(target, cls):
             raise RuntimeError(
                 f"sharc: '{target.sharc_fqn}' read outside forward is a copy of the sharded "
