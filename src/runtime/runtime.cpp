@@ -611,7 +611,8 @@ int64_t Runtime::start_reduce_scatter(const std::vector<int64_t>& ids,
 // still sees the same start and wait calls.
 int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
                                              const std::vector<at::Tensor>& full_grads,
-                                             const std::vector<bool>& held) {
+                                             const std::vector<bool>& held,
+                                             const std::vector<bool>& used) {
   RECORD_FUNCTION("sharc::start_reduce_scatter", std::vector<c10::IValue>());
   const int64_t world = comm_.world_size();
   PendingReduction pending;
@@ -643,11 +644,21 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
   } else {
     // Then the collective header's bits, summed over the ranks (see
     // [Note: collective agreement]); agreed on before any gradient moves.
-    const int64_t row = columns + 1 + CollectiveHeader::kBits;
+    // [Note: used by no rank]: flat sharding only (hybrid's replicas keep
+    // the zeros).
+    const int64_t marks = used.empty() || replicate_ ? 0 : static_cast<int64_t>(ids.size());
+    const int64_t row = columns + marks + 1 + CollectiveHeader::kBits;
     const WireShape shape{WireShape::kAllToAll, static_cast<int64_t>(bucket_dtype), world * row};
     const auto issue = agree_locked(kReduceScatter, ids, shape, options.device());
     at::Tensor input = at::empty({world, row}, options);
-    write_header_bits(input.narrow(1, columns + 1, CollectiveHeader::kBits), issue.header);
+    write_header_bits(input.narrow(1, columns + marks + 1, CollectiveHeader::kBits),
+                      issue.header);
+    if (marks > 0) {
+      std::vector<double> mine(used.begin(), used.end());
+      input.narrow(1, columns, marks)
+          .copy_(at::tensor(mine, at::TensorOptions().dtype(at::kDouble)).view({1, marks})
+                     .expand({world, marks}));
+    }
     std::vector<int64_t> sent;
     std::vector<at::Tensor> sent_grads;
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -661,10 +672,11 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
     queue_reduce_held_back_locked();  // [Note: held back to the end]
     write_gradient_columns(input, sent, sent_grads);
     at::Tensor flag = nonfinite_flag(input.narrow(1, 0, columns));
-    input.narrow(1, columns, 1).copy_(flag.expand({world, 1}));
+    input.narrow(1, columns + marks, 1).copy_(flag.expand({world, 1}));
     pending.input = input.view({-1});
     pending.wire = at::empty({row}, options);
-    pending.out = pending.wire.narrow(0, 0, columns + 1);
+    pending.out = pending.wire.narrow(0, 0, columns + marks + 1);
+    pending.used_columns = marks;
     pending.seq = issue.seq;
     unsettled_reductions_[issue.seq] = token;
     // On the host (flat sharding) the shard columns stay unsummed until
@@ -829,7 +841,28 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
   } else {
     divide_sums_into_shards(pending.out, sent, sent_widths, divisor);
   }
+  drop_unused(pending, shards);
   return shards;
+}
+
+// [Note: used by no rank]
+// A gather unit's reduction takes every member whenever the unit ran, with
+// zeros from a rank whose backward gave a member nothing (the ranks route
+// differently, yet must send alike). A member that no rank gave a gradient
+// (an expert no rank's tokens chose) would get a zero gradient where one
+// process training the whole batch leaves `.grad` None, and a stateful
+// optimizer (momentum, Adam, weight decay) would move it. So each rank also
+// sends, per member, whether it had a gradient for it; the sums come back
+// to every rank alike, and a member used by none gets no gradient (an
+// undefined tensor, which add_into_grad skips) on every rank.
+void Runtime::drop_unused(const PendingReduction& pending, std::vector<at::Tensor>& shards) {
+  if (pending.used_columns == 0) return;
+  const int64_t at = pending.out.numel() - 1 - pending.used_columns;
+  const at::Tensor sums = pending.out.narrow(0, at, pending.used_columns).to(at::kDouble);
+  const double* used = sums.data_ptr<double>();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (!pending.held[i] && !(used[i] > 0)) shards[i] = at::Tensor();
+  }
 }
 
 // A non-finite gradient on any rank makes every rank's shard gradients
@@ -905,6 +938,7 @@ at::Tensor Runtime::take_unreduced(ShardedParam& p, const at::Tensor& grad,
 }
 
 void Runtime::add_into_grad(const at::Tensor& param, const at::Tensor& grad) {
+  if (!grad.defined()) return;  // [Note: used by no rank]
   at::NoGradGuard no_grad;
   at::Tensor& current = param.mutable_grad();
   if (current.defined()) {
@@ -971,8 +1005,10 @@ int64_t Runtime::flush_unit(const std::vector<int64_t>& ids) {
   std::lock_guard<std::mutex> lock(mutex_);
   // What backward held back, taken over as it is; zeros where nothing was.
   std::vector<at::Tensor> grads;
+  std::vector<bool> used;
   for (int64_t id : ids) {
     ShardedParam& p = param(id);
+    used.push_back(p.unreduced.defined() || p.unreplicated.defined());
     if (p.unreduced.defined()) {
       accounting_.on_unreduced(-static_cast<int64_t>(p.unreduced.nbytes()));
       grads.push_back(std::move(p.unreduced));
@@ -981,7 +1017,7 @@ int64_t Runtime::flush_unit(const std::vector<int64_t>& ids) {
       grads.push_back(at::zeros({p.layout.numel}, p.shard.options().dtype(p.spec.reduce_dtype)));
     }
   }
-  return start_reduce_scatter_locked(ids, grads, std::vector<bool>(ids.size(), false));
+  return start_reduce_scatter_locked(ids, grads, std::vector<bool>(ids.size(), false), used);
 }
 
 // [Note: held back to the end]

@@ -59,3 +59,74 @@ def test_units_share_a_reduction_per_bucket_and_train_the_same(mode):
             for name in a["params"]:
                 assert torch.equal(a["params"][name], other["params"][name]), name
     assert batched[0]["losses"] != batched[1]["losses"]  # the ranks trained on their own rows
+
+
+class _TwoOfThreeExperts(torch.nn.Module):
+    """Rows routed to the first two of three experts by their own values
+    (so each rank's data picks its own); the third is never chosen."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    def forward(self, h):
+        choice = h[:, :2].argmax(dim=1)
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            rows = (choice == i).nonzero().flatten()
+            if rows.numel():
+                out = out.index_copy(0, rows, expert(h[rows]))
+        return out
+
+
+class _RoutedTwoOfThree(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, WIDTH)
+        self.moe = _TwoOfThreeExperts()
+
+    def forward(self, x):
+        return self.moe(self.inp(x)).pow(2).mean()
+
+
+def _routed_batch(step, rank):
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _routed(rank, world, mode):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _RoutedTwoOfThree()
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=("moe",)))
+    fn = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    unused_grads = []
+    for step in range(3):
+        fn(_routed_batch(step, rank)).backward()
+        unused_grads.append([p.grad is None for p in model.moe.experts[2].parameters()])
+        opt.step()
+        opt.zero_grad()
+    return unused_grads, sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_unit_member_no_rank_used_gets_no_gradient_and_is_not_stepped(mode):
+    """One process leaves an expert that no row chose without a gradient,
+    and AdamW then skips it; a unit's zeros would let weight decay and the
+    moments move it."""
+    results = run_ranks(_routed, 2, mode)
+    torch.manual_seed(0)
+    model = _RoutedTwoOfThree()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(3):
+        (sum(model(_routed_batch(step, r)) for r in range(2)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for unused_grads, params in results:
+        assert unused_grads == [[True, True]] * 3, unused_grads
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
+        for name in ("moe.experts.2.weight", "moe.experts.2.bias"):
+            assert torch.equal(params[name], initial[name]), name

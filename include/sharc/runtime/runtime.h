@@ -80,6 +80,10 @@ struct PendingReduction {
   int64_t replicate_seq = -1;
   /// Replicas whose sum `out` holds (1 until the all-reduce delivered).
   int64_t replicas = 1;
+  /// A unit's reduction on flat sharding: one column per parameter after
+  /// the shard columns, summed over the ranks, saying whether any rank had
+  /// a gradient for it (see [Note: used by no rank]). 0: none sent.
+  int64_t used_columns = 0;
 };
 
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
@@ -601,12 +605,17 @@ class Runtime : public torch::CustomClassHolder {
   /// The replicate step of a finished reduce-scatter: holds its sums back
   /// (defer_replicate) or starts the all-reduce with what was held added.
   void replicate_locked(PendingReduction& pending);
+  /// Undefines the shard gradients of members no rank had a gradient for.
+  static void drop_unused(const PendingReduction& pending, std::vector<at::Tensor>& shards);
   /// Waits the reduce-scatter of `token` (outside the lock) and settles it.
   void finish_reduce_scatter(int64_t token);
   /// Starts the collective and returns its token.
+  /// `used`, for a unit's reduction: whether this rank has a gradient for
+  /// each parameter (empty: not asked).
   int64_t start_reduce_scatter_locked(const std::vector<int64_t>& ids,
                                       const std::vector<at::Tensor>& full_grads,
-                                      const std::vector<bool>& held);
+                                      const std::vector<bool>& held,
+                                      const std::vector<bool>& used = {});
 
   Communicator comm_;
   MemoryAccounting accounting_;
