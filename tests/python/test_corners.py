@@ -133,6 +133,35 @@ def test_autograd_grad_with_respect_to_inputs(mode):
             assert all(g is None for g in param_grads) and gathered == 0
 
 
+def _gradient_penalty(rank, world):
+    """A penalty on the input gradient (autograd.grad with create_graph=True,
+    then backward through it): the error, and a plain step afterwards."""
+    import sharc
+
+    model, step = _sharded("eager", None)
+    x = batch(0, rank, world)[0].requires_grad_()
+    out = step(x).pow(2).sum()
+    try:  # refused at the first backward, the one that would build the graph
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        (out + gx.pow(2).sum()).backward()
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    model.zero_grad()
+    step(*batch(1, rank, world)).pow(2).sum().backward()
+    return error, [p.grad is not None for p in model.parameters()]
+
+
+def test_a_double_backward_through_sharded_parameters_is_refused_clearly():
+    """Before: torch's "setStorage ... out of bounds for storage of size 0"
+    from the engine (a parameter gathered for the first backward, freed, then
+    read by the second)."""
+    for error, have_grads in run_ranks(_gradient_penalty, 2):
+        assert "a backward with create_graph=True" in error, error
+        assert "is not supported" in error
+        assert all(have_grads)  # the next ordinary step still trains
+
+
 # -- gradient accumulation --------------------------------------------------------
 MICRO = 3
 

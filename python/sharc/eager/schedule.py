@@ -364,4 +364,14 @@ class EagerSchedule:
         if not isinstance(saved, (_SavedParam, _SavedCopy)):
             return saved
         owner = saved.owner
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True: its formulas would save the
+            # parameter gathered for this backward, which is freed right after
+            # it, and differentiate through a read autograd cannot see.
+            raise RuntimeError(
+                "sharc: a backward with create_graph=True (a double backward: a gradient "
+                f"penalty, a Hessian-vector product) reached the sharded parameter "
+                f"'{owner._runtime.name(saved.pid)}'. Differentiating a gradient through "
+                "sharded parameters is not supported (torch.compile refuses double backward as "
+                "well); compute the penalty's gradient without create_graph=True")
         return saved.rebuild(owner._runtime.eager_unpack(owner._root, saved.pid))
