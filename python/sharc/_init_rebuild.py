@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 
 import torch
 
@@ -142,3 +143,33 @@ def _buffers(module: torch.nn.Module):
 def _short(kwargs: dict) -> str:
     text = repr(kwargs)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Random draws as written in source: torch's random factories, in-place
+# random fills and nn.init's random initialisers.
+_DRAW = re.compile(
+    r"\btorch\.(randn|rand|randint|randperm|normal|bernoulli|multinomial)\s*\("
+    r"|\.(normal_|uniform_|bernoulli_|random_|exponential_|cauchy_|log_normal_|geometric_)\s*\("
+    r"|\binit\.(normal|uniform|trunc_normal|kaiming_normal|kaiming_uniform|xavier_normal"
+    r"|xavier_uniform|orthogonal|sparse)_\s*\(")
+
+
+def draw_in_init(module: torch.nn.Module) -> str | None:
+    """The first line of the module's class's own `__init__` source (or of a
+    base class's, up to torch's) that draws random numbers, or None. Such a
+    draw on the meta device leaves no trace on the tensor it makes
+    (`nn.Parameter(torch.randn(n))`), so only the source tells."""
+    for klass in original_class(module).__mro__:
+        if klass.__module__.startswith(("torch.", "transformers.modeling_utils")):
+            break
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            lines = inspect.getsource(init).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            if _DRAW.search(line.split("#")[0]):
+                return line.strip()
+    return None

@@ -55,7 +55,8 @@ arguments are not kept as attributes): refused if nothing else initialises
 it, and refused anyway if the draw wrote its parameter in place (an
 `nn.init` call moves the meta tensor's version counter), since every later
 draw would shift; `nn.Parameter(torch.randn(...))` under `init_fn` or a
-transformers model leaves no such trace and shifts the stream silently; a
+transformers model leaves no such trace and shifts the stream (warned where
+the module's `__init__` source shows the draw); a
 tie that hands an earlier module a later module's parameter; an `init_fn`
 pass that ran before the tie; a module of the user's that deep-copies
 submodules in its `__init__` (the replay draws for each copy).
@@ -64,6 +65,7 @@ submodules in its `__init__` (the replay draws for each copy).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -221,6 +223,15 @@ def _check_initialisers(model, root, owners, init_fn, hf_owners,
                     "builds the module again, drawing alike), or load values with "
                     "sharc.load_full_state_dict")
         if init_fn is not None or id(sub) in hf_owners:
+            draw = _init_rebuild.draw_in_init(sub) if created else None
+            if draw is not None:
+                warnings.warn(
+                    f"sharc.init_weights: module '{name}' ({_class_name(sub)}) draws random "
+                    f"numbers in its __init__ (`{draw}`) and cannot be built again ({why}). "
+                    "On the meta device that draw took nothing from the random stream, so "
+                    "every value drawn after it differs from a normal build with the same "
+                    "seed (still initialised, not bitwise). Load the values with "
+                    "sharc.load_full_state_dict where they must match", stacklevel=3)
             continue  # they may cover anything; what they leave is found afterwards
         if created:
             leaf = next(sub.children(), None) is None

@@ -2,6 +2,8 @@
 shards one module at a time (sharc.init_weights): bitwise the values of the
 same model built normally with the same seed, and the same losses."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -384,9 +386,13 @@ def _meta_and_normal(cases):
         with torch.device("meta"):
             meta = build()
         sharc.shard(meta)
-        sharc.init_weights(meta)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharc.init_weights(meta)
         out[name] = dict(want=want, got=sharc.full_state_dict(meta), want_buffers=want_buffers,
-                         got_buffers={k: v.clone() for k, v in meta.named_buffers()})
+                         got_buffers={k: v.clone() for k, v in meta.named_buffers()},
+                         warned=[str(w.message) for w in caught
+                                 if "sharc.init_weights" in str(w.message)])
     return out
 
 
@@ -414,6 +420,32 @@ def test_hf_draws_in_constructors_and_root_writes_into_children_are_replayed():
     `_init_weights` writes `shared.weight` and the untied `lm_head.weight`."""
     for out in run_ranks(_hf_init_in_constructor, 2):
         assert _differing(out) == {name: [] for name in HF_INIT_IN_CONSTRUCTOR}
+        assert all(not case["warned"] for case in out.values()), out
+
+
+def make_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=24, num_labels=3))
+
+
+def _vit_both_ways(rank, world):
+    return _meta_and_normal({"vit": make_vit})
+
+
+def test_a_draw_in_a_constructor_that_cannot_be_replayed_is_warned_of():
+    """HF's ViTEmbeddings draws `nn.Parameter(torch.randn(...))` in its
+    __init__ and has submodules: on meta the draw took nothing from the
+    stream, so later values differ from a normal build. Before, silently."""
+    for out in run_ranks(_vit_both_ways, 2):
+        (message,) = out["vit"]["warned"]
+        assert "'vit.embeddings' (ViTEmbeddings) draws random numbers in its __init__" \
+            in message
+        assert "torch.randn(1, 1, config.hidden_size)" in message
+        assert "sharc.load_full_state_dict" in message
+        assert _differing(out)["vit"]  # what the warning says: not bitwise
 
 
 def _user_init_in_constructor(rank, world):
