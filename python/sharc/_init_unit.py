@@ -154,7 +154,6 @@ class _Unit(dict):
             self.progress.written.add(pid)
 
 
-
 class ScratchUnit(dict):
     """Parameter id -> a meta tensor of the parameter's full size: the unit
     of an initialiser run only for what it computes besides parameters (a
