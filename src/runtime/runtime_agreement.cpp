@@ -19,9 +19,10 @@ const char* const kCollectiveKinds[] = {"all-gather", "reduce-scatter", "full re
 const char* const kArticles[] = {"an ", "a ", "a "};
 
 const char* const kDivergedAdvice =
-    ". Every rank must run the same sharded modules in the same order; a module whose "
-    "submodules run on some ranks only (mixture-of-experts routing) must be named in "
-    "ShardConfig.gather_units";
+    ". Every rank must run the same sharded modules in the same order: the same number "
+    "of forward and backward passes (an extra evaluation batch or micro-batch on one rank "
+    "parts them), and a module whose submodules run on some ranks only (mixture-of-experts "
+    "routing) must be named in ShardConfig.gather_units";
 
 }  // namespace
 
