@@ -24,6 +24,7 @@ version counter, which shard() records (`PendingInit.written_when_built`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 
@@ -159,7 +160,13 @@ def draw_in_init(module: torch.nn.Module) -> str | None:
     base class's, up to torch's) that draws random numbers, or None. Such a
     draw on the meta device leaves no trace on the tensor it makes
     (`nn.Parameter(torch.randn(n))`), so only the source tells."""
-    for klass in original_class(module).__mro__:
+    return _draw_in_class_init(original_class(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _draw_in_class_init(cls: type) -> str | None:
+    """draw_in_init, once per class (a model repeats its layers' classes)."""
+    for klass in cls.__mro__:
         if klass.__module__.startswith(("torch.", "transformers.modeling_utils")):
             break
         init = klass.__dict__.get("__init__")

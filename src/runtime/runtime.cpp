@@ -858,7 +858,10 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
 void Runtime::drop_unused(const PendingReduction& pending, std::vector<at::Tensor>& shards) {
   if (pending.used_columns == 0) return;
   const int64_t at = pending.out.numel() - 1 - pending.used_columns;
-  const at::Tensor sums = pending.out.narrow(0, at, pending.used_columns).to(at::kDouble);
+  // Read on the host (the sums may sit on a device): a few values, once per
+  // unit reduction at the end of backward.
+  const at::Tensor sums = pending.out.narrow(0, at, pending.used_columns)
+                              .to(at::TensorOptions().device(at::kCPU).dtype(at::kDouble));
   const double* used = sums.data_ptr<double>();
   for (size_t i = 0; i < shards.size(); ++i) {
     if (!pending.held[i] && !(used[i] > 0)) shards[i] = at::Tensor();
