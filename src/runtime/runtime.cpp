@@ -644,9 +644,9 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
   } else {
     // Then the collective header's bits, summed over the ranks (see
     // [Note: collective agreement]); agreed on before any gradient moves.
-    // [Note: used by no rank]: flat sharding only (hybrid's replicas keep
-    // the zeros).
-    const int64_t marks = used.empty() || replicate_ ? 0 : static_cast<int64_t>(ids.size());
+    // Then, for a gather unit, whether this rank used each member
+    // ([Note: used by no rank]).
+    const int64_t marks = used.empty() ? 0 : static_cast<int64_t>(ids.size());
     const int64_t row = columns + marks + 1 + CollectiveHeader::kBits;
     const WireShape shape{WireShape::kAllToAll, static_cast<int64_t>(bucket_dtype), world * row};
     const auto issue = agree_locked(kReduceScatter, ids, shape, options.device());
@@ -750,8 +750,9 @@ void Runtime::start_replicate_all_reduce(int64_t token) {
 void Runtime::replicate_locked(PendingReduction& pending) {
   pending.replicated = true;
   if (!replicate_ || pending.seq < 0) return;  // flat sharding, or nothing was sent
-  const at::Tensor sums = pending.out;  // undivided shard sums, then the flag's sum
+  const at::Tensor sums = pending.out;  // undivided shard sums, used marks, the flag's sum
   const int64_t flag_at = sums.numel() - 1;
+  if (!replicate_sync_) pending.unused = unused_members(pending);
   int64_t offset = 0;
   for (size_t i = 0; i < pending.ids.size(); ++i) {
     if (pending.held[i]) continue;
@@ -760,6 +761,12 @@ void Runtime::replicate_locked(PendingReduction& pending) {
     at::Tensor mine = sums.narrow(0, offset, width);
     offset += width;
     if (!replicate_sync_) {  // defer_replicate: kept for the next synced all-reduce
+      // A unit member no rank of the shard group used keeps nothing, so
+      // that the synced reduction's marks still tell it apart.
+      if (!pending.unused.empty() && pending.unused[i]) {
+        pending.held[i] = true;  // no part in this all-reduce; drop_unused empties it
+        continue;
+      }
       at::Tensor held = at::cat({mine, sums.narrow(0, flag_at, 1)});
       if (p.unreplicated.defined()) {
         p.unreplicated.add_(held.to(p.unreplicated.scalar_type()));
@@ -815,6 +822,8 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
       pending.replicas = replicate_->world_size();
     }
   }
+  // Read before the division, which may poison the whole bucket NaN.
+  if (pending.unused.empty()) pending.unused = unused_members(pending);
   // Each shard gradient gets storage of its own (or the caller's): compilers
   // assume a kernel's outputs are separate, aligned buffers.
   std::vector<at::Tensor> shards;
@@ -841,7 +850,7 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
   } else {
     divide_sums_into_shards(pending.out, sent, sent_widths, divisor);
   }
-  drop_unused(pending, shards);
+  drop_unused(pending.unused, shards);
   return shards;
 }
 
@@ -855,16 +864,30 @@ std::vector<at::Tensor> Runtime::wait_reduce_scatter(int64_t token,
 // sends, per member, whether it had a gradient for it; the sums come back
 // to every rank alike, and a member used by none gets no gradient (an
 // undefined tensor, which add_into_grad skips) on every rank.
-void Runtime::drop_unused(const PendingReduction& pending, std::vector<at::Tensor>& shards) {
-  if (pending.used_columns == 0) return;
+//
+// Under hybrid sharding the marks travel with the shard sums through the
+// replicas' all-reduce, so they count every rank of the mesh. Where
+// defer_replicate keeps the sums back for a later all-reduce, a member no
+// rank of the shard group used keeps nothing back (its `unreplicated`
+// stays undefined), so the synced reduction's marks, which count a held
+// sum as use, still find it unused if no micro-batch on any replica used
+// it.
+std::vector<bool> Runtime::unused_members(const PendingReduction& pending) {
+  if (pending.used_columns == 0) return {};
   const int64_t at = pending.out.numel() - 1 - pending.used_columns;
   // Read on the host (the sums may sit on a device): a few values, once per
   // unit reduction at the end of backward.
   const at::Tensor sums = pending.out.narrow(0, at, pending.used_columns)
                               .to(at::TensorOptions().device(at::kCPU).dtype(at::kDouble));
   const double* used = sums.data_ptr<double>();
-  for (size_t i = 0; i < shards.size(); ++i) {
-    if (!pending.held[i] && !(used[i] > 0)) shards[i] = at::Tensor();
+  std::vector<bool> unused;
+  for (int64_t i = 0; i < pending.used_columns; ++i) unused.push_back(!(used[i] > 0));
+  return unused;
+}
+
+void Runtime::drop_unused(const std::vector<bool>& unused, std::vector<at::Tensor>& shards) {
+  for (size_t i = 0; i < unused.size() && i < shards.size(); ++i) {
+    if (unused[i]) shards[i] = at::Tensor();
   }
 }
 

@@ -90,7 +90,7 @@ class _RoutedTwoOfThree(torch.nn.Module):
 
 
 def _routed_batch(step, rank):
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
 def _routed(rank, world, mode):
@@ -126,6 +126,54 @@ def test_a_unit_member_no_rank_used_gets_no_gradient_and_is_not_stepped(mode):
         opt.zero_grad()
     for unused_grads, params in results:
         assert unused_grads == [[True, True]] * 3, unused_grads
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
+        for name in ("moe.experts.2.weight", "moe.experts.2.bias"):
+            assert torch.equal(params[name], initial[name]), name
+
+
+def _routed_hybrid(rank, world, accumulate):
+    """2 hosts x 2 ranks; with `accumulate`, each step's rows in two
+    micro-batches, the first under no_sync(replicate_only=True) (its shard
+    sums held back until the last micro-batch's all-reduce)."""
+    import sharc
+
+    torch.manual_seed(0)
+    model = _RoutedTwoOfThree()
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=("moe",),
+                                                replicate_groups=((0, 2), (1, 3))))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    unused_grads = []
+    for step in range(3):
+        x = _routed_batch(step, rank)
+        if accumulate:
+            with sharc.no_sync(model, replicate_only=True):
+                (model(x[:2]) / 2).backward()
+            unused_grads.append([p.grad is None for p in model.moe.experts[2].parameters()])
+            (model(x[2:]) / 2).backward()
+        else:
+            model(x).backward()
+        unused_grads.append([p.grad is None for p in model.moe.experts[2].parameters()])
+        opt.step()
+        opt.zero_grad()
+    return unused_grads, sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["synced", "replicate_only"])
+def test_under_hybrid_sharding_a_member_no_rank_used_gets_no_gradient(accumulate):
+    """The used-by marks ride the replicas' all-reduce too, and a deferred
+    all-reduce holds nothing back for a member its shard group left unused."""
+    results = run_ranks(_routed_hybrid, 4, accumulate)
+    torch.manual_seed(0)
+    model = _RoutedTwoOfThree()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(3):
+        (sum(model(_routed_batch(step, r)) for r in range(4)) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    for unused_grads, params in results:
+        assert unused_grads == [[True, True]] * (6 if accumulate else 3), unused_grads
         for name, want in model.state_dict().items():
             torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
         for name in ("moe.experts.2.weight", "moe.experts.2.bias"):

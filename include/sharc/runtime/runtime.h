@@ -80,10 +80,14 @@ struct PendingReduction {
   int64_t replicate_seq = -1;
   /// Replicas whose sum `out` holds (1 until the all-reduce delivered).
   int64_t replicas = 1;
-  /// A unit's reduction on flat sharding: one column per parameter after
-  /// the shard columns, summed over the ranks, saying whether any rank had
+  /// A unit's reduction: one column per parameter after the shard columns,
+  /// summed over the ranks (and the replicas), saying whether any rank had
   /// a gradient for it (see [Note: used by no rank]). 0: none sent.
   int64_t used_columns = 0;
+  /// Read from those columns before the sums are divided (or, where
+  /// defer_replicate keeps them back, before they leave `out`): the
+  /// members no rank used.
+  std::vector<bool> unused;
 };
 
 /// One sharded parameter: its true shape, layout, shard and gathered buffer.
@@ -606,7 +610,8 @@ class Runtime : public torch::CustomClassHolder {
   /// (defer_replicate) or starts the all-reduce with what was held added.
   void replicate_locked(PendingReduction& pending);
   /// Undefines the shard gradients of members no rank had a gradient for.
-  static void drop_unused(const PendingReduction& pending, std::vector<at::Tensor>& shards);
+  static std::vector<bool> unused_members(const PendingReduction& pending);
+  static void drop_unused(const std::vector<bool>& unused, std::vector<at::Tensor>& shards);
   /// Waits the reduce-scatter of `token` (outside the lock) and settles it.
   void finish_reduce_scatter(int64_t token);
   /// Starts the collective and returns its token.
