@@ -1,7 +1,7 @@
 """sharc: ZeRO-3 sharded training for PyTorch with a C++ core."""
 
 from sharc import _library  # noqa: F401  (registers torch.ops.sharc)
-from sharc import _compile, _torch_clip
+from sharc import _compile, _parameter_lookup, _torch_clip
 from sharc._compile.graph_breaks import ManyGraphsWarning
 from sharc.api import memory_stats, no_sync, reset_memory_stats, shard
 from sharc.checkpoint import (full_state_dict, get_state_dict, load_checkpoint,
@@ -14,6 +14,7 @@ from sharc.unsharded import unsharded
 
 _compile.register()  # torch.compile(model, backend="sharc")
 _torch_clip.install()  # [Note: torch's clipping on shards]: before any shard()
+_parameter_lookup.install()  # [Note: get_parameter gives the shard]
 
 __all__ = [
     "CompileConfig",

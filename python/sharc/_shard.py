@@ -11,7 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from sharc import _mesh, _optimizer_writes, _torch_clip, _validate, mixed_precision
+from sharc import (_added_after_shard, _mesh, _optimizer_writes, _torch_clip, _validate,
+                   mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -134,6 +135,8 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         _install_unit(unit, root.refs_by_shard, schedule, config.unit_keep_bytes)
     if config.mixed_precision is not None:
         mixed_precision.install_casts(module, config.mixed_precision)
+    _added_after_shard.mark(module)
+    _added_after_shard.install()  # [Note: added after shard]
     RECOMPILE_ROOM.add(module)
     return module
 

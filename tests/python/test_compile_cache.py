@@ -135,3 +135,52 @@ def test_a_backward_that_keeps_its_graph_never_runs_code_compiled_for_one_that_d
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], shard_of(p.grad, rank, 2), rtol=1e-5,
                                        atol=1e-7, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+        self.one = torch.nn.Linear(6, 1)  # 6 weights: shards of 3 on 2 ranks, of 2 on 3
+
+    def forward(self, x):
+        return self.fc(x) + self.one(x)
+
+
+def _two_heads_grads(rank, world, cache_dir):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    from torch._dynamo.utils import counters
+
+    import sharc
+
+    counters.clear()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    sharc.shard(model)
+    step = torch.compile(model, backend="sharc")  # the default options
+    step(_mlp_batch(rank)).pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads, {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items()
+                   if k.startswith("fxgraph_cache_")}
+
+
+def test_a_graph_compiled_for_another_world_size_is_not_reused(tmp_path):
+    """[Note: a graph's shard sizes] in sharc/_compile/backend.py: a backward
+    graph whose parameters stayed gathered from forward takes no shard, so
+    its inputs are the same on 3 ranks and on 2, but the shard gradients it
+    returns are not; a 2-rank job after a 3-rank one in the same cache must
+    compile its own."""
+    from models import shard_of
+
+    cache_dir = str(tmp_path)
+    run_ranks(_two_heads_grads, 3, cache_dir)  # stores the 3-rank graphs
+    two = run_ranks(_two_heads_grads, 2, cache_dir)
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    ref(torch.cat([_mlp_batch(r) for r in range(2)])).pow(2).mean().backward()
+    for rank, (grads, cache) in enumerate(two):
+        assert cache.get("hit", 0) == 0, cache
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], shard_of(p.grad, rank, 2), rtol=1e-5,
+                                       atol=1e-7, msg=lambda m: f"rank {rank} {name}: {m}")

@@ -286,6 +286,88 @@ def test_shard_misuse():
         assert errors["buffer_after"] == "torch.float32"  # nothing half-cast
 
 
+def _structure_after_shard(rank, world):
+    import sharc
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    sharc.shard(seq)
+    head = seq[2]
+
+    def replace_head():
+        seq[2] = torch.nn.Linear(4, 2)
+
+    def add_parameter():
+        seq[0].register_parameter("scale", torch.nn.Parameter(torch.ones(4)))
+
+    def add_wrapped_head():
+        seq.extra = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    def swap_activation():
+        seq[1] = torch.nn.GELU()
+
+    def reassign_head():
+        seq[2] = seq[2]
+
+    attempt("module", replace_head)
+    attempt("parameter", add_parameter)
+    attempt("nested", add_wrapped_head)
+    attempt("activation", swap_activation)  # no parameters: fine
+    attempt("same", reassign_head)  # only shards: fine
+    errors["head_kept"] = seq[2] is head
+    errors["names"] = [n for n, _ in seq.named_parameters()]
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
+    seq(x).sum().backward()  # still trains, every parameter a shard with a gradient
+    errors["grads"] = all(p.grad is not None for p in seq.parameters())
+
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40,
+                                    n_positions=16))
+    sharc.shard(lm)
+    shards = dict(lm.named_parameters())
+    errors["get_parameter"] = lm.get_parameter("transformer.wte.weight") is shards[
+        "transformer.wte.weight"]
+    errors["get_parameter_plain"] = lm.get_parameter("transformer.h.0.ln_1.bias") is shards[
+        "transformer.h.0.ln_1.bias"]
+    attempt("tie_weights", lm.tie_weights)  # tied already: nothing to do
+    errors["still_tied"] = lm.lm_head._parameters["weight"] is shards["transformer.wte.weight"]
+    attempt("resize", lambda: lm.resize_token_embeddings(48, mean_resizing=False))
+    return errors
+
+
+def test_structure_changes_after_shard_are_refused_where_made():
+    """A parameter entering a sharded model later would be trained apart on
+    each rank, silently; transformers' tie_weights on tied weights is a
+    no-op and get_parameter gives the shard named_parameters() gives."""
+    for errors in run_ranks(_structure_after_shard, 2, timeout=180):
+        for case, what in (("module", "module '2' (Linear)"),
+                           ("parameter", "parameter 'scale' (shape (4,)) to a Linear of a sharded model"),
+                           ("nested", "module 'extra' (Sequential), whose parameter "
+                                      "'0.weight' is not sharded"),
+                           ("resize", "module 'lm_head' (Linear)")):
+            assert errors[case] is not None, case
+            assert f"cannot add the {what}" in errors[case], (case, errors[case])
+            assert "after sharc.shard()" in errors[case]
+            assert "before shard()" in errors[case]
+        assert errors["activation"] is None and errors["same"] is None, errors
+        assert errors["head_kept"]
+        assert errors["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert errors["grads"]
+        assert errors["get_parameter"] and errors["get_parameter_plain"]
+        assert errors["tie_weights"] is None, errors["tie_weights"]
+        assert errors["still_tied"]
+
+
 # --------------------------------------------------- clip_grad_norm_()
 
 

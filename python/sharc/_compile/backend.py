@@ -70,7 +70,7 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
         # again, so that they hold for it too and its FX graph cache key
         # carries the joint pass's uuid (without it a backward compiled by
         # an older sharc was a cache hit).
-        with inductor_config.patch(_keyed_settings(settings, kind)):
+        with inductor_config.patch(_keyed_settings(settings, kind, graph_module.graph)):
             return compile_fx_inner(graph_module, inputs, **kwargs)
 
     # Inductor's FX graph cache stays on (see [Note: sharc and Inductor's
@@ -87,7 +87,47 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
     return in_pass_order(compiled, forward_groups, compilation.config)
 
 
-def _keyed_settings(settings: dict, kind: str) -> dict:
+def _keyed_settings(settings: dict, kind: str, graph: fx.Graph) -> dict:
+    """The settings a graph compiles under, its FX graph cache key carrying
+    what Inductor's key leaves out: the sizes of the groups its sharc ops
+    serve ([Note: a graph's shard sizes]) and, for a backward graph, its
+    donated buffers ([Note: a backward graph's donated buffers])."""
+    extras = [_group_sizes(graph)]
+    if kind == "backward":
+        extras.append(_donated())
+    return dict(settings, joint_custom_post_pass=settings["joint_custom_post_pass"].keyed(
+        " ".join(extras)))
+
+
+def _group_sizes(graph: fx.Graph) -> str:
+    """[Note: a graph's shard sizes]
+    A scheduled backward graph takes no shard as input, yet returns shard
+    gradients whose sizes the group's world size sets (their ops' meta
+    kernels ask the runtime): the same model compiled on 3 ranks and then on
+    2 was the same key, and the 2-rank job ran the 3-rank code (a size check
+    failing in backward, where it did not fail silently). Each group a
+    graph's sharc ops name goes into the key with its world size and its
+    replicas (hybrid sharding)."""
+    from sharc._library import Runtime
+    from sharc._state import live_group
+
+    groups = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "sharc":
+            continue
+        for i, argument in enumerate(node.target._schema.arguments):
+            if argument.name == "group" and i < len(node.args):
+                groups.add(str(node.args[i]))
+    sizes = []
+    for name in sorted(groups):
+        world = live_group(name, "that a compiled graph serves").size()
+        sizes.append(f"{name}:{world}x{Runtime.for_group(name).replicate_size()}")
+    return "groups=" + ",".join(sizes)
+
+
+def _donated() -> str:
     """[Note: a backward graph's donated buffers]
     AOTAutograd lets Inductor write a backward graph's results into the
     buffers of saved tensors that backward uses last ("donated buffers"),
@@ -98,14 +138,10 @@ def _keyed_settings(settings: dict, kind: str) -> dict:
     did not, which overwrites saved tensors the second backward reads (wrong
     gradients, silently). The donated inputs go into the key here, through
     the joint pass's uuid."""
-    if kind != "backward":
-        return settings
     from torch._inductor import utils as inductor_utils
 
     donated_idxs = getattr(inductor_utils, "get_donated_idxs", None)  # torch >= 2.6
-    donated = sorted((donated_idxs() if donated_idxs else None) or ())
-    return dict(settings, joint_custom_post_pass=settings["joint_custom_post_pass"].keyed(
-        f"donated={donated}"))
+    return f"donated={sorted((donated_idxs() if donated_idxs else None) or ())}"
 
 
 def _compile_without_inductor(gm, example_inputs, compilation: fx_pipeline.Compilation):

@@ -84,6 +84,8 @@ def _setattr(module: torch.nn.Module, name: str, value) -> None:
     `parameters()` and the runtime gathering the old value: refused."""
     refs = module.__dict__["_sharc"].refs
     if name in refs and isinstance(value, torch.Tensor):
+        if value is module._parameters.get(name):
+            return  # its own shard again (transformers' tie_weights on tied weights)
         raise RuntimeError(
             f"sharc: cannot assign a new tensor to the sharded parameter '{refs[name].fqn}' "
             "after sharc.shard(): change its values inside `with sharc.unsharded(model, "
