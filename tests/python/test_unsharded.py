@@ -43,6 +43,43 @@ def test_writeback_reaches_the_shards():
         assert inside == 0 and after == 0  # copies of their own, not the runtime's buffers
 
 
+
+def _state_dicts_inside(rank, world):
+    import sharc
+
+    model = _model()
+    with sharc.unsharded(model, writeback=True):
+        model[0].weight.fill_(1.0)
+        seen = {"state_dict": model.state_dict()["0.weight"].clone(),
+                "full_state_dict": sharc.full_state_dict(model)["0.weight"]}
+        loaded = model.state_dict()
+        loaded["2.bias"] = torch.full((3,), 2.0)
+        model.load_state_dict(loaded)
+        seen["read_after_load"] = model[2].bias.clone()
+    seen["after"] = sharc.full_state_dict(model)
+    model = _model()
+    try:
+        with sharc.unsharded(model):  # no writeback: a load is a change like any other
+            model.load_state_dict({**model.state_dict(), "2.bias": torch.zeros(3)})
+        seen["no_writeback"] = None
+    except RuntimeError as e:
+        seen["no_writeback"] = str(e)
+    return seen
+
+
+def test_state_dicts_inside_unsharded_speak_its_full_tensors():
+    """Inside the block its full tensors are the parameters: what was
+    written there shows in state_dict() and full_state_dict() (a
+    save_pretrained there saves it), and load_state_dict() writes them."""
+    for seen in run_ranks(_state_dicts_inside, 2):
+        assert torch.equal(seen["state_dict"], torch.ones(7, 5))
+        assert torch.equal(seen["full_state_dict"], torch.ones(7, 5))
+        assert torch.equal(seen["read_after_load"], torch.full((3,), 2.0))
+        assert torch.equal(seen["after"]["0.weight"], torch.ones(7, 5))
+        assert torch.equal(seen["after"]["2.bias"], torch.full((3,), 2.0))
+        assert "'2.bias' was changed inside sharc.unsharded(model) without writeback=True" \
+            in seen["no_writeback"], seen["no_writeback"]
+
 def _one_element_writeback(rank, world):
     import sharc
 

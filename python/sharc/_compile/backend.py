@@ -13,7 +13,8 @@ compile_fx_inner, on the forward or backward graph as sharc's scheduler left
 it: the generated code of that graph (every sharc op with its group name,
 parameter ids, dtypes, graph kind and memory budget as literal arguments),
 its inputs' sizes, strides and dtypes, Inductor's settings, and the custom
-joint pass's uuid (fx_pipeline.JointGraphPass.uuid: the sharc sources that
+joint pass's uuid (fx_pipeline.JointGraphPass.uuid, keyed also with the
+sizes of the groups the graph serves: the sharc sources that
 shape what Inductor makes of a scheduled graph, its ops' lowering and
 C++ library, whose meta kernels give the ops' output sizes). So a hit is a
 graph sharc scheduled identically: same group, same parameters, same

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sharc import _rank_check
-from sharc._state import sharded_root
+from sharc._state import sharded_root, state_of, unwrap_compiled
 from sharc.checkpoint.load import load
 from sharc.checkpoint.state_dict_hooks import own_state_dict
 
@@ -18,6 +18,9 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     root = sharded_root(module)
     root.require_values("sharc.full_state_dict was called")
     root.checks.agree(_rank_check.FULL_STATE_DICT)
+    # Inside sharc.unsharded() its full tensors are the parameters, with
+    # what was written there that the shards do not hold yet.
+    fulls = state_of(unwrap_compiled(module)).schedule.unsharded
     gathered: dict[int, torch.Tensor] = {}
     out = {}
     for name, value in own_state_dict(module).items():
@@ -26,7 +29,8 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[name] = value.detach().clone()
             continue
         if ref.pid not in gathered:
-            gathered[ref.pid] = root.runtime.read_full(ref.pid)
+            gathered[ref.pid] = (root.runtime.read_full(ref.pid) if fulls is None
+                                 else fulls[ref.pid].detach().clone())
         out[name] = gathered[ref.pid]
     return out
 

@@ -15,6 +15,11 @@ gets two hooks:
   torch's own copy changes nothing. An entry of the shard's flat shape (a
   rank's own shard) is left to torch's copy.
 
+Inside `sharc.unsharded(model)` the full tensors it holds are the
+parameters: `state_dict()` gives them as they are (with what was written
+inside, which the shards do not hold yet; no gather), and a full entry
+loads into them, to be written back on exit like any other change there.
+
 sharc's own code reads the shards themselves through `own_state_dict`.
 """
 
@@ -36,9 +41,12 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
     def full_entries(_module, state_dict, prefix, _local_metadata) -> None:
         if state.schedule.raw_state_dict:
             return
+        fulls = state.schedule.unsharded  # inside sharc.unsharded(): the full tensors
         for local, ref in state.refs.items():
             key = prefix + local
-            if key in state_dict:
+            if key in state_dict and fulls is not None:
+                state_dict[key] = fulls[ref.pid].detach()  # with what was written inside
+            elif key in state_dict:
                 state.schedule.checks.agree(_rank_check.MODULE_STATE_DICT, f"'{key}'", ref.pid)
                 state_dict[key] = ref.runtime.read_full(ref.pid)
 
@@ -50,6 +58,12 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
             value = state_dict.get(key)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != ref.shape:
                 continue  # a shard, or a mismatch torch's own copy reports
+            fulls = state.schedule.unsharded
+            if fulls is not None:  # inside sharc.unsharded(): loaded as any write there
+                with torch.no_grad():
+                    fulls[ref.pid].copy_(value)
+                state_dict[key] = fulls[ref.pid].detach()
+                continue
             state.schedule.checks.agree(_rank_check.MODULE_LOAD_STATE_DICT, f"'{key}'",
                                         _rank_check.checksum({key: value}))
             with torch.no_grad():
