@@ -22,7 +22,10 @@ const char* const kDivergedAdvice =
     ". Every rank must run the same sharded modules in the same order: the same number "
     "of forward and backward passes (an extra evaluation batch or micro-batch on one rank "
     "parts them), and a module whose submodules run on some ranks only (mixture-of-experts "
-    "routing) must be named in ShardConfig.gather_units";
+    "routing) must be named in ShardConfig.gather_units. A gather unit joins backward only "
+    "on ranks where a gradient reaches its output, so on every rank its output must "
+    "depend on its parameters and reach the loss (a unit given no rows on one rank, whose "
+    "output there is a constant, parts the ranks)";
 
 }  // namespace
 

@@ -393,6 +393,48 @@ def test_routing_without_a_unit_raises_instead_of_aborting(mode):
         assert "the ranks diverged" in message and "ShardConfig.gather_units" in message, message
 
 
+
+class _FirstColumnPositive(torch.nn.Module):
+    """A gather unit given only the rows whose first value is positive; with
+    none (as HF's sparse MoE blocks do) its output is a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.moe = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+    def forward(self, x):
+        h = self.inp(x)
+        rows = h[x[:, 0] > 0]
+        out = self.moe(rows) if rows.shape[0] else rows.new_zeros(rows.shape).detach()
+        return h.pow(2).mean() + out.sum()
+
+
+def _unit_given_no_rows(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _FirstColumnPositive()
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=("moe",)))
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank)).abs()
+    if rank == 1:
+        x[:, 0] = -1.0  # no row for the unit on this rank
+    try:
+        for _ in range(2):
+            model(x).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_unit_given_no_rows_on_one_rank_is_named_as_the_cause():
+    """Already a gather unit, so the advice to name one does not help: the
+    error says a unit joins backward only where a gradient reaches it."""
+    for message in run_ranks(_unit_given_no_rows, 2, timeout=150):
+        assert "the ranks diverged" in message, message
+        assert "A gather unit joins backward only on ranks where a gradient reaches its " \
+            "output" in message, message
+
 def _switch_transformer(rank, world, mode, units):
     import sharc
 
