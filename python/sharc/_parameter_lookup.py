@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from sharc._state import state_of
+
 
 def install() -> None:
     torch_get = torch.nn.Module.get_parameter
@@ -29,7 +31,7 @@ def install() -> None:
     def get_parameter(self: torch.nn.Module, target: str) -> torch.nn.Parameter:
         module_path, _, name = target.rpartition(".")
         module = self.get_submodule(module_path)
-        state = module.__dict__.get("_sharc")
+        state = state_of(module)
         if state is not None and name in state.refs:
             return module._parameters[name]
         return torch_get(self, target)
