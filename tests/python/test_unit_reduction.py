@@ -110,26 +110,33 @@ def _routed(rank, world, mode):
     return unused_grads, sharc.full_state_dict(model)
 
 
+def _check_against_one_process(results, world, unused_grads_wanted):
+    """Every rank ends as one process training the ranks' rows does, with
+    the never-chosen expert bitwise at its initial values and no gradient
+    after any backward."""
+    torch.manual_seed(0)
+    model = _RoutedTwoOfThree()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(3):
+        (sum(model(_routed_batch(step, r)) for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    for unused_grads, params in results:
+        assert unused_grads == unused_grads_wanted, unused_grads
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
+        for name in ("moe.experts.2.weight", "moe.experts.2.bias"):
+            assert torch.equal(params[name], initial[name]), name
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_a_unit_member_no_rank_used_gets_no_gradient_and_is_not_stepped(mode):
     """One process leaves an expert that no row chose without a gradient,
     and AdamW then skips it; a unit's zeros would let weight decay and the
     moments move it."""
     results = run_ranks(_routed, 2, mode)
-    torch.manual_seed(0)
-    model = _RoutedTwoOfThree()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    for step in range(3):
-        (sum(model(_routed_batch(step, r)) for r in range(2)) / 2).backward()
-        opt.step()
-        opt.zero_grad()
-    for unused_grads, params in results:
-        assert unused_grads == [[True, True]] * 3, unused_grads
-        for name, want in model.state_dict().items():
-            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
-        for name in ("moe.experts.2.weight", "moe.experts.2.bias"):
-            assert torch.equal(params[name], initial[name]), name
+    _check_against_one_process(results, 2, [[True, True]] * 3)
 
 
 def _routed_hybrid(rank, world, accumulate):
@@ -164,17 +171,4 @@ def test_under_hybrid_sharding_a_member_no_rank_used_gets_no_gradient(accumulate
     """The used-by marks ride the replicas' all-reduce too, and a deferred
     all-reduce holds nothing back for a member its shard group left unused."""
     results = run_ranks(_routed_hybrid, 4, accumulate)
-    torch.manual_seed(0)
-    model = _RoutedTwoOfThree()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    for step in range(3):
-        (sum(model(_routed_batch(step, r)) for r in range(4)) / 4).backward()
-        opt.step()
-        opt.zero_grad()
-    for unused_grads, params in results:
-        assert unused_grads == [[True, True]] * (6 if accumulate else 3), unused_grads
-        for name, want in model.state_dict().items():
-            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
-        for name in ("moe.experts.2.weight", "moe.experts.2.bias"):
-            assert torch.equal(params[name], initial[name]), name
+    _check_against_one_process(results, 4, [[True, True]] * (6 if accumulate else 3))
