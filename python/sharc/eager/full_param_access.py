@@ -21,6 +21,9 @@ def _full_param_property(name: str) -> property:
     def get(module: torch.nn.Module) -> torch.Tensor:
         state = module._sharc
         ref = state.refs[name]
+        held = module._parameters.get(name)
+        if held is not ref.shard and held is not None:
+            return _substituted(ref, held)
         if torch.compiler.is_compiling():
             # Captured as a functional all-gather; sharc's backend schedules
             # it (see sharc/_compile), any other backend sees a plain value.
@@ -29,6 +32,24 @@ def _full_param_property(name: str) -> property:
 
     never_a_frame_of_its_own(get)
     return property(get, doc=f"The full (gathered) parameter '{name}'.")
+
+
+def _substituted(ref, held: torch.Tensor) -> torch.Tensor:
+    """[Note: a tensor put in place of a shard]
+    torch.func.functional_call (and torch.nn.utils.stateless) swap a
+    module's parameters by writing `module._parameters` for the call, which
+    the class property above would never look at: the call would silently
+    compute with the model's own weights. A full-size tensor put there is
+    read as it is (no gather: it is the caller's, whole on this rank);
+    anything else is refused."""
+    if tuple(held.shape) == tuple(ref.shape):
+        return held
+    raise RuntimeError(
+        f"sharc: the sharded parameter '{ref.fqn}' was replaced by a tensor of shape "
+        f"{tuple(held.shape)} (torch.func.functional_call, torch.nn.utils.stateless, or a "
+        f"write to module._parameters); a tensor put in its place must have the "
+        f"parameter's full shape {tuple(ref.shape)}. To change the parameter itself, copy "
+        "into it inside `with sharc.unsharded(model, writeback=True)`")
 
 
 def never_a_frame_of_its_own(fn) -> None:

@@ -1,0 +1,71 @@
+"""torch.func.functional_call on a sharded model computes with the tensors
+it is given, not the model's own (it swaps `module._parameters` for the
+call, which sharc's full-parameter properties once ignored: silently the
+model's own output). Eager and compiled, on 2 gloo ranks, against the same
+call on an unsharded copy; a tensor of the wrong shape is refused."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_harness import RankFailure, run_ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _swapped(model):
+    """Other weights for every parameter, deterministic on every rank."""
+    g = torch.Generator().manual_seed(7)
+    return {k: torch.randn(v.shape, generator=g, requires_grad=True)
+            for k, v in model.state_dict().items()}
+
+
+def _call(rank, world, mode):
+    import sharc
+
+    plain, model = _model(), _model()
+    sharc.shard(model)
+    fn = model if mode == "eager" else torch.compile(model, backend="sharc")
+    prefix = "" if mode == "eager" else "_orig_mod."
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    weights = _swapped(plain)
+    want = torch.func.functional_call(plain, weights, (x,))
+    want.square().sum().backward()
+    want_grads = {k: v.grad.clone() for k, v in weights.items()}
+    weights = _swapped(plain)
+    got = torch.func.functional_call(fn, {prefix + k: v for k, v in weights.items()}, (x,),
+                                     strict=True)
+    got.square().sum().backward()
+    own = model(x)  # the model's own weights again afterwards
+    return {"got": got.detach(), "want": want.detach(),
+            "grads": {k: v.grad for k, v in weights.items()}, "want_grads": want_grads,
+            "own": own.detach(), "plain_own": plain(x).detach(),
+            "shard_grads": [p.grad for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_functional_call_computes_with_the_tensors_it_is_given(mode):
+    for out in run_ranks(_call, 2, mode):
+        torch.testing.assert_close(out["got"], out["want"])
+        for name, want in out["want_grads"].items():
+            torch.testing.assert_close(out["grads"][name], want, msg=name)
+        torch.testing.assert_close(out["own"], out["plain_own"])
+        # The call read none of the shards: none got a gradient.
+        assert all(g is None for g in out["shard_grads"]), out["shard_grads"]
+
+
+def _wrong_shape(rank, world):
+    import sharc
+
+    model = _model()
+    sharc.shard(model)
+    torch.func.functional_call(model, {"0.weight": torch.zeros(6, 3)}, (torch.randn(2, 4),))
+
+
+def test_a_tensor_of_another_shape_is_refused_naming_the_parameter():
+    with pytest.raises(RankFailure, match=r"'0.weight' was replaced by a tensor of shape "
+                                          r"\(6, 3\).*full shape \(6, 4\)"):
+        run_ranks(_wrong_shape, 2)
