@@ -88,6 +88,7 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
         _validate.check_devices(module, group, config.device)
         device = None
     named = list(module.named_parameters())  # unique parameters, canonical names
+    _validate.check_param_dtypes(named)
     if dist.get_world_size(group) > 1:
         _validate.check_replicas(named, group, config.verify_replicas)
     if groups.replicate is not None and dist.get_world_size(groups.replicate) > 1:

@@ -105,6 +105,20 @@ def check_devices(module: torch.nn.Module, group, wanted: torch.device | None = 
                 ".cuda() for nccl) or use a group with a matching backend")
 
 
+def check_param_dtypes(named_params) -> None:
+    """Complex parameters are refused up front: the process groups' gathers
+    and reductions run on flat real buffers (gloo has no complex type), so
+    they would otherwise fail at the first forward with a bare
+    "Invalid scalar type"."""
+    for fqn, p in named_params:
+        if p.is_complex():
+            raise TypeError(
+                f"sharc.shard(): parameter '{fqn}' is complex ({p.dtype}), which sharc does not "
+                "shard. Store it as a real parameter with a trailing dimension of 2 "
+                "(nn.Parameter(torch.view_as_real(value))) and read it with "
+                "torch.view_as_complex(self.<name>) in forward")
+
+
 def _signature(named_params, checksum: bool) -> list[tuple]:
     sig = []
     for fqn, p in named_params:

@@ -34,16 +34,24 @@ def _twice_and_device(rank, world):
                     config=sharc.ShardConfig(device="xpu"))
     except RuntimeError as e:
         errors["device"] = str(e)
+    filt = torch.nn.Module()  # a learnable FFT filter
+    filt.freq = torch.nn.Parameter(torch.ones(4, dtype=torch.cfloat))
+    try:
+        sharc.shard(filt)
+    except TypeError as e:
+        errors["complex"] = str(e)
     return errors
 
 
-def test_shard_twice_and_wrong_device():
+def test_shard_twice_wrong_device_and_a_complex_parameter():
     for errors in run_ranks(_twice_and_device, 2):
         assert "already called" in errors["twice"]
         assert "already called" in errors["parent_of_sharded"]
         assert errors["device"] == (
             "ShardConfig.device is 'xpu', but the process group's backend 'gloo' "
             "communicates only ['cpu', 'cuda'] tensors: name a matching device or leave it None")
+        assert "parameter 'freq' is complex (torch.complex64)" in errors["complex"]
+        assert "torch.view_as_complex" in errors["complex"]
 
 
 def _mismatched(rank, world):
