@@ -354,6 +354,62 @@ def test_loading_into_another_architecture_names_the_first_mismatch(tmp_path):
         assert unchanged
 
 
+def _grouped(model, groups: int):
+    """AdamW over one group, or weights and the rest in two."""
+    named = list(model.named_parameters())
+    if groups == 1:
+        return torch.optim.AdamW([p for _, p in named], lr=1e-3)
+    split = [[p for n, p in named if n.endswith("weight")],
+             [p for n, p in named if not n.endswith("weight")]]
+    return torch.optim.AdamW([{"params": split[0]}, {"params": split[1], "lr": 1e-4}],
+                             lr=1e-3)
+
+
+def _load_into_other_groups(rank, world, path):
+    """Saved with two groups, loaded by optimizers grouped otherwise (after a
+    step of their own, so they hold state a half load would change)."""
+    import sharc
+    from models import make_parity_model
+
+    model = make_parity_model()
+    sharc.shard(model)
+    opt = _grouped(model, 2)
+    _train(model, opt, rank, world, 1)
+    sharc.save_checkpoint(path, model, opt)
+    outcomes = []
+    for make in (lambda m: _grouped(m, 1),  # fewer groups
+                 lambda m: torch.optim.AdamW(  # two groups, the names regrouped
+                     [{"params": list(m.parameters())[:3]},
+                      {"params": list(m.parameters())[3:]}], lr=1e-3)):
+        torch.manual_seed(5)
+        other = make_parity_model()
+        sharc.shard(other)
+        other_opt = make(other)
+        _train(other, other_opt, rank, world, 1, first_step=3)
+        before = sharc.full_state_dict(other)
+        moments = [s["exp_avg"].clone() for s in other_opt.state.values()]
+        try:
+            sharc.load_checkpoint(path, other, other_opt)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        unchanged = (all(torch.equal(v, before[k])
+                         for k, v in sharc.full_state_dict(other).items())
+                     and all(torch.equal(s["exp_avg"], m)
+                             for s, m in zip(other_opt.state.values(), moments)))
+        outcomes.append((message, unchanged))
+    return outcomes
+
+
+def test_loading_into_an_optimizer_grouped_otherwise_changes_nothing(tmp_path):
+    for (fewer, fewer_kept), (regrouped, regrouped_kept) in run_ranks(
+            _load_into_other_groups, 2, str(tmp_path / "c")):
+        assert fewer is not None and "it holds 2 param groups, the optimizer 1" in fewer, fewer
+        assert regrouped is not None and "its param group 0 holds" in regrouped, regrouped
+        assert "first differing at position" in regrouped, regrouped
+        assert fewer_kept and regrouped_kept
+
+
 # ---- ranks that own nothing, N-D parameters --------------------------------
 
 class _Odd(torch.nn.Module):

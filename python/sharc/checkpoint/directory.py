@@ -8,7 +8,9 @@ a manifest of their sizes and blake2b hashes. `load_checkpoint` checks, before
 it reads anything, that every file is the one saved (a file swapped with
 another rank's, truncated or changed since is named, on every rank) and that
 the checkpoint fits the model (naming the first mismatching key and both
-shapes).
+shapes) and the optimizer (its parameter groups hold the same parameters):
+dcp.load writes straight into the shards and the optimizer's state, so a
+mismatch found after it would leave them half loaded.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     check_files(path, group)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_compatible(path, model_sd)
+    if optimizer is not None:
+        check_optimizer_groups(path, optim_sd, group)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -173,3 +177,33 @@ def check_compatible(path: str, model_state_dict: dict) -> None:
         raise ValueError(f"checkpoint {path} does not fit this model: it has '{extra[0]}', "
                          "which the model lacks; load it into the architecture it was saved "
                          "from")
+
+
+def check_optimizer_groups(path: str, optim_state_dict: dict, group) -> None:
+    """Raises, before anything is loaded, unless the checkpoint's optimizer
+    has as many parameter groups as `optim_state_dict` and each holds the
+    same parameters in the same order. Reads only the groups' name lists."""
+    mine = optim_state_dict["param_groups"]
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = len({k.split(".")[2] for k in keys if k.startswith("optim.param_groups.")})
+    if saved != len(mine):
+        held = f"{saved} param groups" if saved else "no optimizer state"
+        raise ValueError(f"checkpoint {path} does not fit this optimizer: it holds {held}, "
+                         f"the optimizer {len(mine)}; build the optimizer's param groups as "
+                         "in the saved job (the same parameters, grouped and ordered alike)")
+    probe = {"optim": {"param_groups": [{"params": []} for _ in mine]}}
+    dcp.load(probe, checkpoint_id=path, process_group=group)
+    for i, (g, s) in enumerate(zip(mine, probe["optim"]["param_groups"])):
+        want, got = list(s["params"]), list(g["params"])
+        if want != got:
+            first = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b),
+                         min(len(want), len(got)))
+            raise ValueError(
+                f"checkpoint {path} does not fit this optimizer: its param group {i} holds "
+                f"{len(want)} parameters, the optimizer's {len(got)}, first differing at "
+                f"position {first} ({_name_at(want, first)} saved, {_name_at(got, first)} "
+                "here); build the optimizer's param groups as in the saved job")
+
+
+def _name_at(names: list, i: int) -> str:
+    return repr(names[i]) if i < len(names) else "nothing"
