@@ -4,7 +4,7 @@ process (SGD, 3 steps; see scenario.py): recurrent layers (which cache
 their weights in `_flat_weights`), attention (`in_proj_weight` read by a
 functional), a transformer encoder, activation checkpointing both ways
 (recomputing a forward inside backward: a second set of gathers and saved
-tensors that must match the first), a parametrized weight (weight_norm's
+tensors that must match the first) and selective, a parametrized weight (weight_norm's
 `original0`/`original1`), a convolution, a bilinear layer, an embedding
 with a padding index and one with sparse gradients."""
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 import scenario
 from dist_harness import run_ranks
@@ -66,6 +67,29 @@ class Checkpointed(nn.Module):
         return F.mse_loss(self.head(h.mean(1)).squeeze(-1), y)
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+class SelectiveCheckpointed(nn.Module):
+    """Selective activation checkpointing (a dispatch mode that records the
+    first forward's ops and replays them in the recompute) around nested
+    modules: sharc's own gathers and releases must stay out of its record."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = checkpoint(self.block, self.inp(x), use_reentrant=False,
+                       context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                    _save_matmuls))
+        return F.mse_loss(self.head(h.mean(1)).squeeze(-1), y)
+
+
 class Assorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -83,7 +107,8 @@ class Assorted(nn.Module):
         return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
 
 
-MODELS = {cls.__name__: cls for cls in (Recurrent, Attention, Checkpointed, Assorted)}
+MODELS = {cls.__name__: cls for cls in (Recurrent, Attention, Checkpointed,
+                                         SelectiveCheckpointed, Assorted)}
 
 
 def _make(name):

@@ -38,9 +38,11 @@ Python callables in any case.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from sharc import _rank_check
@@ -234,6 +236,26 @@ def _views_as_copies(out, copy: OutsideForwardCopy):
     return view
 
 
+def _unseen_by_dispatch_modes(fn):
+    """[Note: sharc's own ops and the user's dispatch modes]
+    The runtime's gathers, views, copies and releases are sharc's, not the
+    model's: a TorchDispatchMode the user has active must not see them.
+    Selective activation checkpointing's mode records each op of the first
+    forward and replays them in order when backward recomputes it, and the
+    recompute releases by another path (buffers handed over to the first
+    forward's saves), so an op seen only then failed the replay ("encountered
+    during backward but not found in storage"). Counters (FlopCounterMode)
+    would count sharc's copies as the model's. The model's own ops on the
+    tensors sharc hands back are still seen."""
+    @functools.wraps(fn)
+    def outside_modes(*args, **kwargs):
+        if torch._C._len_torch_dispatch_stack() == 0:
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+    return outside_modes
+
+
 def _skip_as_frames(cls):
     for name in ("forward_pre_hook", "forward_hook"):
         never_a_frame_of_its_own(getattr(cls, name))
@@ -285,6 +307,7 @@ class EagerSchedule:
     # reach them, it runs them eagerly at a graph break, so every gather is
     # still matched by its release.
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def enter_scope(self) -> None:
         if self._runtime is None:
             return
@@ -301,6 +324,7 @@ class EagerSchedule:
             self._saved_hooks.__enter__()
 
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def exit_scope(self) -> None:
         if self._runtime is None:
             return
@@ -309,6 +333,7 @@ class EagerSchedule:
             self._saved_hooks = None
 
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
         if self.unsharded is not None:
@@ -334,10 +359,12 @@ class EagerSchedule:
     # Eager even inside compiled frames (a graph break at each unit): the
     # unit's collectives must run on every rank at the same point.
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def enter_unit(self, unit: int) -> None:
         self._runtime.eager_enter_unit(self._root, unit)
 
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def exit_unit(self, unit: int, output) -> None:
         outputs = [t for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -352,6 +379,7 @@ class EagerSchedule:
 
     # -- backward -------------------------------------------------------
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def _pack(self, t: torch.Tensor):
         pid = self._runtime.eager_saved_param(self._root, t)
         if pid >= 0:
@@ -360,6 +388,7 @@ class EagerSchedule:
         return t if handle is None else handle
 
     @torch.compiler.disable
+    @_unseen_by_dispatch_modes
     def _unpack(self, saved):
         if not isinstance(saved, (_SavedParam, _SavedCopy)):
             return saved
