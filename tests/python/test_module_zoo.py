@@ -90,6 +90,21 @@ class SelectiveCheckpointed(nn.Module):
         return F.mse_loss(self.head(h.mean(1)).squeeze(-1), y)
 
 
+class CheckpointedTwice(nn.Module):
+    """One block called twice, each call checkpointed (once each way): the
+    parameters gathered in the first region are read again in the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = checkpoint(self.block, x, use_reentrant=False)
+        h = checkpoint(self.block, h, use_reentrant=True)
+        return F.mse_loss(self.head(h.mean(1)).squeeze(-1), y)
+
+
 class Assorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -107,7 +122,7 @@ class Assorted(nn.Module):
         return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
 
 
-MODELS = {cls.__name__: cls for cls in (Recurrent, Attention, Checkpointed,
+MODELS = {cls.__name__: cls for cls in (Recurrent, Attention, Checkpointed, CheckpointedTwice,
                                          SelectiveCheckpointed, Assorted)}
 
 

@@ -38,6 +38,12 @@ def mark_gathers_for_recompute(graph: fx.Graph) -> int:
         if is_call(node, ALL_GATHER) or (_derives_value(node) and node.args
                                          and node.args[0] in gathered):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            # A gather traced in one checkpointed region and read in a later
+            # one (a block called twice, each call checkpointed) would be
+            # turned into MUST_SAVE by the partitioner's cleanup of region
+            # boundaries, which compares the regions' ids: without one, the
+            # gather stays recomputed wherever it is read.
+            node.meta.pop("ac_graph_id", None)
             gathered.add(node)
     backward = _backward_nodes(graph)
     for node in graph.nodes:
