@@ -1128,9 +1128,12 @@ void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
   ShardedParam& p = param(id);
   SHARC_CHECK(shard.storage().is_alias_of(p.shard.storage()), "sharc: the tensor passed "
               "as the shard of '", p.name, "' (id ", id, ", group '", comm_.group_name(),
-              "') is not the shard sharc registered: the module was sharded on a process "
-              "group that has since been destroyed, or the parameter's .data was replaced; "
-              "shard the module again on the current group");
+              "') is not the shard sharc registered. Either the module was sharded on a "
+              "process group that has since been destroyed (shard the module again on the "
+              "current group), or the shard's .data was replaced (`p.data = t`, as "
+              "torch.nn.utils.vector_to_parameters does; write into it in place instead: "
+              "`with torch.no_grad(): p.copy_(t)`, or copy full values inside "
+              "sharc.unsharded(model, writeback=True))");
   // The tensor a forward reads is the one its backward accumulates into:
   // the user's parameter. In backward, a graph's re-gather reads what
   // autograd unpacked from the saved tensors, a stand-in sharing its

@@ -126,17 +126,27 @@ def _regroup(rank, world, init_file):
         stale = None
     except RuntimeError as e:
         stale = str(e)
-    return dist.group.WORLD.group_name == name, works, stale
+    torch.nn.utils.vector_to_parameters(  # replaces each shard's .data
+        torch.nn.utils.parameters_to_vector(new.parameters()).clone(), new.parameters())
+    try:
+        new(torch.ones(1, 3))
+        replaced = None
+    except RuntimeError as e:
+        replaced = str(e)
+    return dist.group.WORLD.group_name == name, works, stale, replaced
 
 
-def test_module_sharded_on_a_destroyed_group(tmp_path):
+def test_module_sharded_on_a_destroyed_group_or_with_its_data_replaced(tmp_path):
     # The new default group takes the old one's name: sharc must bind a fresh
     # runtime to it, and the old module must fail clearly instead of gathering
     # another parameter or talking through a destroyed group.
-    for same_name, works, stale in run_ranks(_regroup, 2, str(tmp_path / "again")):
+    for same_name, works, stale, replaced in run_ranks(_regroup, 2, str(tmp_path / "again")):
         assert same_name
         assert isinstance(works, float)
         assert stale is not None and "destroyed" in stale
+        # A shard whose .data was replaced is told apart, with the in-place fix.
+        assert replaced is not None and "vector_to_parameters" in replaced, replaced
+        assert "p.copy_(t)" in replaced, replaced
 
 
 def _reduction_tokens(rank, world):
