@@ -202,12 +202,13 @@ def _switch_rank(rank, world, mode):
     import sharc
 
     return scenario.run_sharded(rank, world, SwitchCopy, switch_batch,
-                                "eager" if mode == "eager" else "compiled", 4,
-                                shard_config=sharc.ShardConfig(gather_units=("*.mlp",)),
-                                compile_options={"profile": mode == "compiled, profiled"})
+                                mode, 4,
+                                shard_config=sharc.ShardConfig(gather_units=("*.mlp",)))
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled", "compiled, profiled"])
+# Compiled with the default options (profiled); that profiling changes no
+# result is test_budget.py's.
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_hf_switch_transformers_with_its_tied_embedding_matches_single_process(mode):
     """The HF model reads its tied embedding eagerly between graph breaks
     (encoder, decoder, head), with its sparse MLPs as gather units routing
