@@ -3,9 +3,10 @@ that sharc.init_weights() repeats module by module (see [Note: init replay]
 in materialize.py).
 
 A unit gives the module a full-size tensor for each of its own parameters,
-both where `module.weight` reads (the sharded property, through the eager
-schedule's `unsharded` table) and in `module._parameters` (for initialisers
-that iterate `self.parameters()`). A parameter that already has values is
+in `module._parameters` (for initialisers that iterate `self.parameters()`;
+the sharded property returns that very tensor, see [Note: a tensor put in
+place of a shard]) and in the eager schedule's `unsharded` table (for reads
+of other modules' parameters). A parameter that already has values is
 gathered first (an initialiser may read or change only part of it); one
 without values starts as a fresh buffer filled with a sentinel. Parameters
 of other modules the initialiser reaches (a parent initialising a child's

@@ -98,10 +98,7 @@ def _from_rank_groups(group, groups: tuple[tuple[int, ...], ...]) -> Groups:
         for g in shard_groups:
             pg = dist.new_group(list(g))
             shard = pg if me in g else shard
-        # As for the rank check's side group: a peer may still be reading a
-        # handshake when this rank's connections are complete; an error right
-        # after shard() would reset them under it. Both barriers return once
-        # every member is connected.
+        # See [Note: a group's last handshake] (sharc/_rank_check.py).
         for pg in (replicate, shard):
             dist.barrier(group=pg)
         _BY_RANK_GROUPS[key] = Groups(shard, replicate)

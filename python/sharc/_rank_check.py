@@ -61,6 +61,7 @@ class RankCheck:
             self._side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                         timeout=datetime.timedelta(seconds=timeout_s),
                                         use_local_synchronization=True)
+            # [Note: a group's last handshake]
             # Gloo's connections can be complete on one rank while a peer
             # still reads its handshake; a rank that then exits (an error
             # right after shard(), say) resets them, and the peer fails

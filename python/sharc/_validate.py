@@ -106,9 +106,9 @@ def check_devices(module: torch.nn.Module, group, wanted: torch.device | None = 
 
 
 def check_param_dtypes(named_params) -> None:
-    """Complex parameters are refused up front: the process groups' gathers
-    and reductions run on flat real buffers (gloo has no complex type), so
-    they would otherwise fail at the first forward with a bare
+    """Complex parameters are refused up front: the runtime calls the
+    backends' collectives directly, and neither gloo nor NCCL has a complex
+    type, so they would otherwise fail at the first forward with a bare
     "Invalid scalar type"."""
     for fqn, p in named_params:
         if p.is_complex():

@@ -381,7 +381,6 @@ def _load_into_other_groups(rank, world, path):
                  lambda m: torch.optim.AdamW(  # two groups, the names regrouped
                      [{"params": list(m.parameters())[:3]},
                       {"params": list(m.parameters())[3:]}], lr=1e-3)):
-        torch.manual_seed(5)
         other = make_parity_model()
         sharc.shard(other)
         other_opt = make(other)
@@ -398,12 +397,21 @@ def _load_into_other_groups(rank, world, path):
                      and all(torch.equal(s["exp_avg"], m)
                              for s, m in zip(other_opt.state.values(), moments)))
         outcomes.append((message, unchanged))
+    sharc.save_checkpoint(path + "_model_only", model)
+    try:
+        sharc.load_checkpoint(path + "_model_only", model, opt)
+        outcomes.append(None)
+    except ValueError as e:
+        outcomes.append(str(e))
     return outcomes
 
 
 def test_loading_into_an_optimizer_grouped_otherwise_changes_nothing(tmp_path):
-    for (fewer, fewer_kept), (regrouped, regrouped_kept) in run_ranks(
+    """Fewer groups, the same count regrouped, and a checkpoint saved
+    without an optimizer: each refused by name before anything is read."""
+    for (fewer, fewer_kept), (regrouped, regrouped_kept), model_only in run_ranks(
             _load_into_other_groups, 2, str(tmp_path / "c")):
+        assert model_only is not None and "load it with optimizer=None" in model_only
         assert fewer is not None and "it holds 2 param groups, the optimizer 1" in fewer, fewer
         assert regrouped is not None and "its param group 0 holds" in regrouped, regrouped
         assert "first differing at position" in regrouped, regrouped

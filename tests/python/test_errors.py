@@ -14,7 +14,7 @@ def test_shard_without_process_group():
         sharc.shard(torch.nn.Linear(2, 2))
 
 
-def _twice_and_device(rank, world):
+def _twice_device_and_complex(rank, world):
     import sharc
 
     errors = {}
@@ -44,7 +44,7 @@ def _twice_and_device(rank, world):
 
 
 def test_shard_twice_wrong_device_and_a_complex_parameter():
-    for errors in run_ranks(_twice_and_device, 2):
+    for errors in run_ranks(_twice_device_and_complex, 2):
         assert "already called" in errors["twice"]
         assert "already called" in errors["parent_of_sharded"]
         assert errors["device"] == (
@@ -144,7 +144,8 @@ def test_module_sharded_on_a_destroyed_group_or_with_its_data_replaced(tmp_path)
         assert same_name
         assert isinstance(works, float)
         assert stale is not None and "destroyed" in stale
-        # A shard whose .data was replaced is told apart, with the in-place fix.
+        # The same message names the other cause, a shard whose .data was
+        # replaced, with the in-place fix.
         assert replaced is not None and "vector_to_parameters" in replaced, replaced
         assert "p.copy_(t)" in replaced, replaced
 

@@ -39,7 +39,7 @@ def _call(rank, world, mode):
     got = torch.func.functional_call(fn, {prefix + k: v for k, v in weights.items()}, (x,),
                                      strict=True)
     got.square().sum().backward()
-    own = model(x)  # the model's own weights again afterwards
+    own = fn(x)  # the model's own weights again afterwards (compiled: no stale graph)
     return {"got": got.detach(), "want": want.detach(),
             "grads": {k: v.grad for k, v in weights.items()}, "want_grads": want_grads,
             "own": own.detach(), "plain_own": plain(x).detach(),
@@ -69,3 +69,29 @@ def test_a_tensor_of_another_shape_is_refused_naming_the_parameter():
     with pytest.raises(RankFailure, match=r"'0.weight' was replaced by a tensor of shape "
                                           r"\(6, 3\).*full shape \(6, 4\)"):
         run_ranks(_wrong_shape, 2)
+
+
+def _dropped_and_cast(rank, world):
+    """None for a parameter drops it, as torch does; under bf16 mixed
+    precision the given fp32 tensors are cast as a read of the shard is."""
+    import sharc
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    plain, model = _model(), _model()
+    sharc.shard(model)
+    dropped = torch.func.functional_call(model, {"2.bias": None}, (x,)).detach()
+    want_dropped = torch.func.functional_call(plain, {"2.bias": None}, (x,)).detach()
+    half = _model()
+    bf16 = sharc.MixedPrecision(param_dtype=torch.bfloat16)
+    sharc.shard(half, config=sharc.ShardConfig(mixed_precision=bf16))
+    weights = _swapped(plain)
+    cast = torch.func.functional_call(half, weights, (x,)).detach()
+    want_cast = torch.func.functional_call(plain, weights, (x,)).detach()
+    return dropped, want_dropped, cast, want_cast
+
+
+def test_none_drops_a_parameter_and_mixed_precision_casts_what_it_is_given():
+    for dropped, want_dropped, cast, want_cast in run_ranks(_dropped_and_cast, 2):
+        torch.testing.assert_close(dropped, want_dropped)
+        assert cast.dtype == torch.bfloat16
+        torch.testing.assert_close(cast.float(), want_cast, rtol=3e-2, atol=3e-2)

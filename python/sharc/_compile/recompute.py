@@ -39,7 +39,8 @@ def mark_gathers_for_recompute(graph: fx.Graph) -> int:
                                          and node.args[0] in gathered):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             # A gather traced in one checkpointed region and read in a later
-            # one (a block called twice, each call checkpointed) would be
+            # one (a block called twice, each call checkpointed: both calls
+            # read the one gather the joint graph holds) would be
             # turned into MUST_SAVE by the partitioner's cleanup of region
             # boundaries, which compares the regions' ids: without one, the
             # gather stays recomputed wherever it is read.

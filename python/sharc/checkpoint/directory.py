@@ -92,9 +92,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     group = sharded_root(model).group
     check_files(path, group)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_compatible(path, model_sd)
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    check_compatible(path, model_sd, saved)
     if optimizer is not None:
-        check_optimizer_groups(path, optim_sd, group)
+        check_optimizer_groups(path, optim_sd, group, saved)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -157,12 +158,14 @@ def check_files(path: str, group) -> None:
                          "checkpoint directory as it was written")
 
 
-def check_compatible(path: str, model_state_dict: dict) -> None:
+def check_compatible(path: str, model_state_dict: dict, metadata: dict | None = None) -> None:
     """Raises if the checkpoint's model entries differ from the model's:
     the first key (in the model's order) that is missing or has another
-    shape, or a key the model lacks."""
-    saved = {k[len("model."):]: md for k, md in FileSystemReader(path).read_metadata()
-             .state_dict_metadata.items() if k.startswith("model.")}
+    shape, or a key the model lacks. `metadata`: the checkpoint's
+    state_dict_metadata, where already read."""
+    if metadata is None:
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: md for k, md in metadata.items() if k.startswith("model.")}
     for name, value in model_state_dict.items():
         if name not in saved:
             raise ValueError(f"checkpoint {path} does not fit this model: it has no entry "
@@ -179,30 +182,34 @@ def check_compatible(path: str, model_state_dict: dict) -> None:
                          "from")
 
 
-def check_optimizer_groups(path: str, optim_state_dict: dict, group) -> None:
+def check_optimizer_groups(path: str, optim_state_dict: dict, group, metadata: dict) -> None:
     """Raises, before anything is loaded, unless the checkpoint's optimizer
     has as many parameter groups as `optim_state_dict` and each holds the
-    same parameters in the same order. Reads only the groups' name lists."""
-    mine = optim_state_dict["param_groups"]
-    keys = FileSystemReader(path).read_metadata().state_dict_metadata
-    saved = len({k.split(".")[2] for k in keys if k.startswith("optim.param_groups.")})
-    if saved != len(mine):
-        held = f"{saved} param groups" if saved else "no optimizer state"
-        raise ValueError(f"checkpoint {path} does not fit this optimizer: it holds {held}, "
-                         f"the optimizer {len(mine)}; build the optimizer's param groups as "
-                         "in the saved job (the same parameters, grouped and ordered alike)")
-    probe = {"optim": {"param_groups": [{"params": []} for _ in mine]}}
+    same parameters in the same order (the order matters: state is matched
+    by position). Reads only the groups' name lists."""
+    here = optim_state_dict["param_groups"]
+    count = len({k.split(".")[2] for k in metadata if k.startswith("optim.param_groups.")})
+    if count == 0:
+        raise ValueError(f"checkpoint {path} holds no optimizer state (it was saved without "
+                         "an optimizer): load it with optimizer=None, or save one with it")
+    if count != len(here):
+        raise ValueError(f"checkpoint {path} does not fit this optimizer: it holds {count} "
+                         f"param groups, the optimizer {len(here)}; build the optimizer's "
+                         "param groups as in the saved job (the same parameters, grouped and "
+                         "ordered alike)")
+    probe = {"optim": {"param_groups": [{"params": []} for _ in here]}}
     dcp.load(probe, checkpoint_id=path, process_group=group)
-    for i, (g, s) in enumerate(zip(mine, probe["optim"]["param_groups"])):
-        want, got = list(s["params"]), list(g["params"])
-        if want != got:
-            first = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b),
-                         min(len(want), len(got)))
+    for i, (saved, mine) in enumerate(zip(probe["optim"]["param_groups"], here)):
+        saved_names, my_names = list(saved["params"]), list(mine["params"])
+        if saved_names != my_names:
+            first = next((j for j, (a, b) in enumerate(zip(saved_names, my_names)) if a != b),
+                         min(len(saved_names), len(my_names)))
             raise ValueError(
                 f"checkpoint {path} does not fit this optimizer: its param group {i} holds "
-                f"{len(want)} parameters, the optimizer's {len(got)}, first differing at "
-                f"position {first} ({_name_at(want, first)} saved, {_name_at(got, first)} "
-                "here); build the optimizer's param groups as in the saved job")
+                f"{len(saved_names)} parameters, the optimizer's {len(my_names)}, first "
+                f"differing at position {first} ({_name_at(saved_names, first)} saved, "
+                f"{_name_at(my_names, first)} here); build the optimizer's param groups as "
+                "in the saved job")
 
 
 def _name_at(names: list, i: int) -> str:

@@ -21,9 +21,9 @@ def _full_param_property(name: str) -> property:
     def get(module: torch.nn.Module) -> torch.Tensor:
         state = module._sharc
         ref = state.refs[name]
-        held = module._parameters.get(name)
-        if held is not ref.shard and held is not None:
-            return _substituted(ref, held)
+        held = module._parameters.get(name, ref.shard)  # absent: a parametrization's
+        if held is not ref.shard:
+            return _substituted(state, ref, held)
         if torch.compiler.is_compiling():
             # Captured as a functional all-gather; sharc's backend schedules
             # it (see sharc/_compile), any other backend sees a plain value.
@@ -31,19 +31,31 @@ def _full_param_property(name: str) -> property:
         return state.schedule.read(ref)
 
     never_a_frame_of_its_own(get)
+    never_a_frame_of_its_own(_substituted)
     return property(get, doc=f"The full (gathered) parameter '{name}'.")
 
 
-def _substituted(ref, held: torch.Tensor) -> torch.Tensor:
+def _substituted(state, ref, held: torch.Tensor | None) -> torch.Tensor | None:
     """[Note: a tensor put in place of a shard]
     torch.func.functional_call (and torch.nn.utils.stateless) swap a
     module's parameters by writing `module._parameters` for the call, which
     the class property above would never look at: the call would silently
     compute with the model's own weights. A full-size tensor put there is
-    read as it is (no gather: it is the caller's, whole on this rank);
-    anything else is refused."""
+    read as it is (no gather: it is the caller's, whole on this rank), cast
+    to the gather dtype as a read of the shard would be; None drops the
+    parameter, as torch does. sharc's own initialisation puts full tensors
+    there too (`_init_unit.py`), which must come back as the same object
+    for `nn.init` to write: never cast while the schedule reads an
+    unsharded table. Non-strict torch.export puts a stand-in of the shard
+    itself there, traced as the gather of that stand-in."""
+    if held is None:
+        return None
     if tuple(held.shape) == tuple(ref.shape):
-        return held
+        if state.schedule.unsharded is not None or held.dtype == ref.gather_dtype:
+            return held
+        return held.to(ref.gather_dtype)
+    if torch.compiler.is_compiling() and held.shape == ref.shard.shape:
+        return ref.traced_read(held)
     raise RuntimeError(
         f"sharc: the sharded parameter '{ref.fqn}' was replaced by a tensor of shape "
         f"{tuple(held.shape)} (torch.func.functional_call, torch.nn.utils.stateless, or a "

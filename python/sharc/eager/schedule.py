@@ -236,24 +236,29 @@ def _views_as_copies(out, copy: OutsideForwardCopy):
     return view
 
 
-def _unseen_by_dispatch_modes(fn):
-    """[Note: sharc's own ops and the user's dispatch modes]
-    The runtime's gathers, views, copies and releases are sharc's, not the
-    model's: a TorchDispatchMode the user has active must not see them.
-    Selective activation checkpointing's mode records each op of the first
-    forward and replays them in order when backward recomputes it, and the
-    recompute releases by another path (buffers handed over to the first
-    forward's saves), so an op seen only then failed the replay ("encountered
-    during backward but not found in storage"). Counters (FlopCounterMode)
-    would count sharc's copies as the model's. The model's own ops on the
-    tensors sharc hands back are still seen."""
+def _eager_runtime_call(fn):
+    """An eager schedule method that calls into the runtime: never traced
+    (compiled frames capture reads as gathers instead; one that still
+    reaches it runs eagerly at a graph break, so every gather is matched by
+    its release), and run outside the user's dispatch modes.
+
+    [Note: sharc's own ops and the user's dispatch modes]
+    The runtime's gathers, views, copies and releases in forward and at
+    unpacking are sharc's, not the model's. Selective activation
+    checkpointing's mode records the first forward's ops and replays them
+    in order when backward recomputes it, and the recompute releases by
+    another path (buffers handed over to the first forward's saves), so an
+    op seen only then failed the replay ("encountered during backward but
+    not found in storage"). The model's own ops on the tensors sharc hands
+    back are still seen. The check reads torch's dispatch-mode stack only
+    (not the pre-dispatch one, which these calls never meet)."""
     @functools.wraps(fn)
     def outside_modes(*args, **kwargs):
         if torch._C._len_torch_dispatch_stack() == 0:
             return fn(*args, **kwargs)
         with _disable_current_modes():
             return fn(*args, **kwargs)
-    return outside_modes
+    return torch.compiler.disable(outside_modes)
 
 
 def _skip_as_frames(cls):
@@ -306,8 +311,7 @@ class EagerSchedule:
     # property check torch.compiler.is_compiling() first); should one still
     # reach them, it runs them eagerly at a graph break, so every gather is
     # still matched by its release.
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def enter_scope(self) -> None:
         if self._runtime is None:
             return
@@ -319,12 +323,11 @@ class EagerSchedule:
         # it, and the runtime hands buffers over at release.
         elsewhere = self._saved_hooks is None and _saved_tensor_hooks_active()
         if self._runtime.eager_enter(self._root, elsewhere) and not elsewhere:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._pack, self._unpack)
-            self._saved_hooks.__enter__()
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()  # kept only once entered: exit_scope pops what is kept
+            self._saved_hooks = hooks
 
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def exit_scope(self) -> None:
         if self._runtime is None:
             return
@@ -332,8 +335,7 @@ class EagerSchedule:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
 
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def read(self, ref: ShardedParamRef) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
         if self.unsharded is not None:
@@ -358,13 +360,11 @@ class EagerSchedule:
 
     # Eager even inside compiled frames (a graph break at each unit): the
     # unit's collectives must run on every rank at the same point.
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def enter_unit(self, unit: int) -> None:
         self._runtime.eager_enter_unit(self._root, unit)
 
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def exit_unit(self, unit: int, output) -> None:
         outputs = [t for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -378,8 +378,7 @@ class EagerSchedule:
                 mode="any")
 
     # -- backward -------------------------------------------------------
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def _pack(self, t: torch.Tensor):
         pid = self._runtime.eager_saved_param(self._root, t)
         if pid >= 0:
@@ -387,8 +386,7 @@ class EagerSchedule:
         handle = _saved_copy(t) if t.grad_fn is not None else None
         return t if handle is None else handle
 
-    @torch.compiler.disable
-    @_unseen_by_dispatch_modes
+    @_eager_runtime_call
     def _unpack(self, saved):
         if not isinstance(saved, (_SavedParam, _SavedCopy)):
             return saved
