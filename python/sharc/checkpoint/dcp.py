@@ -210,24 +210,42 @@ def _check_model_keys(own: dict, given: dict, root) -> None:
 def _check_optim(optimizer, root, osd: dict) -> dict:
     """The saved groups list the same parameters as the optimizer's, and the
     saved state names only those; returns fqn -> ShardedParamRef."""
-    saved_groups = osd["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"sharc.set_state_dict: the state dict has {len(saved_groups)} "
-                         f"param groups, the optimizer {len(optimizer.param_groups)}")
-    by_fqn = {}
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        refs = [_ref_of(root, p, "sharc.set_state_dict") for p in group["params"]]
-        fqns = [ref.fqn for ref in refs]
-        if list(saved["params"]) != fqns:
-            raise ValueError("sharc.set_state_dict: optimizer param group holds "
-                             f"{fqns[:4]}..., the state dict {list(saved['params'])[:4]}...; "
-                             "build the optimizer's groups as in the saved job")
-        by_fqn.update((ref.fqn, ref) for ref in refs)
+    refs = [[_ref_of(root, p, "sharc.set_state_dict") for p in group["params"]]
+            for group in optimizer.param_groups]
+    check_param_groups([list(g["params"]) for g in osd["param_groups"]],
+                       [[ref.fqn for ref in group] for group in refs],
+                       "sharc.set_state_dict: the state dict")
+    by_fqn = {ref.fqn: ref for group in refs for ref in group}
     for fqn in osd["state"]:
         if fqn not in by_fqn:
             raise KeyError(f"sharc.set_state_dict: optimizer state for '{fqn}', which no "
                            "param group holds")
     return by_fqn
+
+
+def check_param_groups(saved: list[list[str]], mine: list[list[str]], source: str) -> None:
+    """Raises unless `saved` (each param group's parameter names, in a state
+    dict or a checkpoint named by `source`) lists the optimizer's `mine`:
+    as many groups, the same parameters in the same order (state is matched
+    by position)."""
+    fix = ("build the optimizer's param groups as in the saved job (the same parameters, "
+           "grouped and ordered alike)")
+    if len(saved) != len(mine):
+        raise ValueError(f"{source} does not fit this optimizer: it holds {len(saved)} param "
+                         f"groups, the optimizer {len(mine)}; {fix}")
+    for i, (saved_names, my_names) in enumerate(zip(saved, mine)):
+        if saved_names != my_names:
+            first = next((j for j, (a, b) in enumerate(zip(saved_names, my_names)) if a != b),
+                         min(len(saved_names), len(my_names)))
+            raise ValueError(
+                f"{source} does not fit this optimizer: its param group {i} holds "
+                f"{len(saved_names)} parameters, the optimizer's {len(my_names)}, first "
+                f"differing at position {first} ({_name_at(saved_names, first)} saved, "
+                f"{_name_at(my_names, first)} here); {fix}")
+
+
+def _name_at(names: list, i: int) -> str:
+    return repr(names[i]) if i < len(names) else "nothing"
 
 
 def _load_optim(optimizer, by_fqn: dict, osd: dict, group) -> None:

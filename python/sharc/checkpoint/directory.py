@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from sharc._state import sharded_root
-from sharc.checkpoint.dcp import get_state_dict, set_state_dict
+from sharc.checkpoint.dcp import check_param_groups, get_state_dict, set_state_dict
 
 EXTRA_FILE = "extra.json"
 MANIFEST_FILE = "manifest.json"
@@ -184,33 +184,14 @@ def check_compatible(path: str, model_state_dict: dict, metadata: dict | None = 
 
 def check_optimizer_groups(path: str, optim_state_dict: dict, group, metadata: dict) -> None:
     """Raises, before anything is loaded, unless the checkpoint's optimizer
-    has as many parameter groups as `optim_state_dict` and each holds the
-    same parameters in the same order (the order matters: state is matched
-    by position). Reads only the groups' name lists."""
+    groups list the same parameters as `optim_state_dict`'s (see
+    `check_param_groups`). Reads only the groups' name lists."""
     here = optim_state_dict["param_groups"]
     count = len({k.split(".")[2] for k in metadata if k.startswith("optim.param_groups.")})
     if count == 0:
         raise ValueError(f"checkpoint {path} holds no optimizer state (it was saved without "
                          "an optimizer): load it with optimizer=None, or save one with it")
-    if count != len(here):
-        raise ValueError(f"checkpoint {path} does not fit this optimizer: it holds {count} "
-                         f"param groups, the optimizer {len(here)}; build the optimizer's "
-                         "param groups as in the saved job (the same parameters, grouped and "
-                         "ordered alike)")
-    probe = {"optim": {"param_groups": [{"params": []} for _ in here]}}
+    probe = {"optim": {"param_groups": [{"params": []} for _ in range(count)]}}
     dcp.load(probe, checkpoint_id=path, process_group=group)
-    for i, (saved, mine) in enumerate(zip(probe["optim"]["param_groups"], here)):
-        saved_names, my_names = list(saved["params"]), list(mine["params"])
-        if saved_names != my_names:
-            first = next((j for j, (a, b) in enumerate(zip(saved_names, my_names)) if a != b),
-                         min(len(saved_names), len(my_names)))
-            raise ValueError(
-                f"checkpoint {path} does not fit this optimizer: its param group {i} holds "
-                f"{len(saved_names)} parameters, the optimizer's {len(my_names)}, first "
-                f"differing at position {first} ({_name_at(saved_names, first)} saved, "
-                f"{_name_at(my_names, first)} here); build the optimizer's param groups as "
-                "in the saved job")
-
-
-def _name_at(names: list, i: int) -> str:
-    return repr(names[i]) if i < len(names) else "nothing"
+    check_param_groups([list(g["params"]) for g in probe["optim"]["param_groups"]],
+                       [list(g["params"]) for g in here], f"checkpoint {path}")
