@@ -30,7 +30,8 @@ def _call(rank, world, mode):
     sharc.shard(model)
     fn = model if mode == "eager" else torch.compile(model, backend="sharc")
     prefix = "" if mode == "eager" else "_orig_mod."
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(5 + rank, 4,  # the ranks' sizes differ
+                    generator=torch.Generator().manual_seed(rank))
     weights = _swapped(plain)
     want = torch.func.functional_call(plain, weights, (x,))
     want.square().sum().backward()
@@ -39,10 +40,10 @@ def _call(rank, world, mode):
     got = torch.func.functional_call(fn, {prefix + k: v for k, v in weights.items()}, (x,),
                                      strict=True)
     got.square().sum().backward()
-    own = fn(x)  # the model's own weights again afterwards (compiled: no stale graph)
+    own = fn(x[:3])  # own weights again, at another size (compiled: no stale graph)
     return {"got": got.detach(), "want": want.detach(),
             "grads": {k: v.grad for k, v in weights.items()}, "want_grads": want_grads,
-            "own": own.detach(), "plain_own": plain(x).detach(),
+            "own": own.detach(), "plain_own": plain(x[:3]).detach(),
             "shard_grads": [p.grad for p in model.parameters()]}
 
 
