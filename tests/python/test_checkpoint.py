@@ -397,6 +397,14 @@ def _load_into_other_groups(rank, world, path):
                      and all(torch.equal(s["exp_avg"], m)
                              for s, m in zip(other_opt.state.values(), moments)))
         outcomes.append((message, unchanged))
+    fresh = make_parity_model()  # an optimizer that never stepped, refused likewise
+    sharc.shard(fresh)
+    fresh_opt = _grouped(fresh, 1)
+    try:
+        sharc.load_checkpoint(path, fresh, fresh_opt)
+        outcomes.append((None, None))
+    except ValueError as e:
+        outcomes.append((str(e), len(fresh_opt.state)))  # no state left behind
     sharc.save_checkpoint(path + "_model_only", model)
     try:
         sharc.load_checkpoint(path + "_model_only", model, opt)
@@ -408,14 +416,17 @@ def _load_into_other_groups(rank, world, path):
 
 def test_loading_into_an_optimizer_grouped_otherwise_changes_nothing(tmp_path):
     """Fewer groups, the same count regrouped, and a checkpoint saved
-    without an optimizer: each refused by name before anything is read."""
-    for (fewer, fewer_kept), (regrouped, regrouped_kept), model_only in run_ranks(
-            _load_into_other_groups, 2, str(tmp_path / "c")):
+    without an optimizer: each refused by name before anything is read. An
+    optimizer that never stepped is left without state, as it was."""
+    for (fewer, fewer_kept), (regrouped, regrouped_kept), (fresh, fresh_state), model_only \
+            in run_ranks(_load_into_other_groups, 2, str(tmp_path / "c")):
         assert model_only is not None and "load it with optimizer=None" in model_only
         assert fewer is not None and "it holds 2 param groups, the optimizer 1" in fewer, fewer
         assert regrouped is not None and "its param group 0 holds" in regrouped, regrouped
         assert "first differing at position" in regrouped, regrouped
         assert fewer_kept and regrouped_kept
+        assert fresh is not None and "it holds 2 param groups, the optimizer 1" in fresh, fresh
+        assert fresh_state == 0, f"a refused load left state for {fresh_state} parameters"
 
 
 # ---- ranks that own nothing, N-D parameters --------------------------------

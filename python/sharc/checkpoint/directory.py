@@ -91,6 +91,27 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     path = _existing(os.fspath(path))
     group = sharded_root(model).group
     check_files(path, group)
+    never_stepped = optimizer is not None and not optimizer.state
+    try:
+        _load_states(path, model, optimizer, group)
+    except BaseException:
+        if never_stepped:
+            # get_state_dict gave the optimizer state to load into (a step
+            # with lr 0, its step counts at 1); a refused load takes it
+            # back, or the next step would count from 2 (Adam's bias
+            # correction) where a fresh optimizer counts from 1.
+            optimizer.state.clear()
+        raise
+    extra_file = os.path.join(path, EXTRA_FILE)
+    if not os.path.exists(extra_file):
+        return {}
+    with open(extra_file) as f:
+        return json.load(f)
+
+
+def _load_states(path: str, model, optimizer, group) -> None:
+    """The model's (and optimizer's) state from the checkpoint, after
+    checking that it fits them."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     check_compatible(path, model_sd, saved)
@@ -100,11 +121,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"] if optimizer is not None else None)
-    extra_file = os.path.join(path, EXTRA_FILE)
-    if not os.path.exists(extra_file):
-        return {}
-    with open(extra_file) as f:
-        return json.load(f)
 
 
 def _existing(path: str) -> str:
