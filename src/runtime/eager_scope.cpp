@@ -110,6 +110,7 @@ bool EagerScope::exit(int64_t root) {
     const std::set<int64_t> kept =
         r.scopes.innermost_is_outermost() ? keep_saved_tied_locked(r) : std::set<int64_t>{};
     held = r.scopes.close();  // the scope's tensors go first: only outside references remain
+    r.companions.close_scope(held, ungrouped_locked(r));
     held.erase(std::remove_if(held.begin(), held.end(),
                               [&](int64_t id) { return kept.count(id) > 0; }),
                held.end());
@@ -167,6 +168,12 @@ int64_t EagerScope::saved_param(int64_t root, const at::Tensor& saved) {
   Root& r = root_locked(root);
   if (r.tied.count(id) > 0 && r.scopes.is_open()) r.saved_tied.insert(id);
   return id;
+}
+
+std::set<int64_t> EagerScope::ungrouped_locked(const Root& r) const {
+  std::set<int64_t> ungrouped = r.tied;
+  for (const Unit& unit : r.units) ungrouped.insert(unit.ids.begin(), unit.ids.end());
+  return ungrouped;
 }
 
 // [Note: eager holds] (tied parameters kept for backward): every rank
@@ -230,16 +237,27 @@ at::Tensor EagerScope::unpack(int64_t root, int64_t id) {
     runtime_.queue_end_of_backward();
     return *kept;
   }
-  // Recorded for the next backward's prefetch, which may start its group.
-  runtime_.eager_prefetch().on_backward_gather(root, id);
-  at::Tensor full = runtime_.gather(id);
+  std::vector<int64_t> ids;  // `id` and its companions not held yet, in id order
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    root_locked(root).backward.hold(id, full);
+    const Root& r = root_locked(root);
+    for (int64_t other : r.companions.with(id)) {
+      if (other == id || r.backward.find(other) == nullptr) ids.push_back(other);
+    }
+  }
+  // Recorded for the next backward's prefetch, which may start its group.
+  for (int64_t gathered : ids) runtime_.eager_prefetch().on_backward_gather(root, gathered);
+  if (ids.size() > 1) runtime_.start_gather(ids);  // one bucketed collective
+  at::Tensor unpacked;
+  for (int64_t gathered : ids) {
+    at::Tensor full = runtime_.gather(gathered);
+    std::lock_guard<std::mutex> lock(mutex_);
+    root_locked(root).backward.hold(gathered, full);
     note_backward_locked(root);
+    if (gathered == id) unpacked = full;
   }
   runtime_.queue_end_of_backward();
-  return full;
+  return unpacked;
 }
 
 void EagerScope::note_backward_locked(int64_t root) {

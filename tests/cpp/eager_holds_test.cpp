@@ -95,5 +95,30 @@ TEST(BackwardHolds, TheEndOfBackwardDropsWhatIsLeftInIdOrder) {
   EXPECT_TRUE(holds.drop_all().empty());
 }
 
+TEST(BackwardCompanions, AScopesParametersAreGatheredTogetherInIdOrder) {
+  BackwardCompanions companions;
+  companions.close_scope({7, 3, 5}, {});  // read order is not the group's order
+  for (int64_t id : {3, 5, 7}) EXPECT_EQ(companions.with(id), (Ids{3, 5, 7}));
+  EXPECT_EQ(companions.with(4), (Ids{4}));  // never held: alone
+}
+
+TEST(BackwardCompanions, TiedAndUnitParametersStayOut) {
+  BackwardCompanions companions;
+  companions.close_scope({1, 2, 3}, {2});
+  EXPECT_EQ(companions.with(1), (Ids{1, 3}));
+  EXPECT_EQ(companions.with(2), (Ids{2}));
+  companions.close_scope({4, 5}, {5});  // one left: no group
+  EXPECT_EQ(companions.with(4), (Ids{4}));
+}
+
+TEST(BackwardCompanions, AParameterHeldInTwoScopesMergesTheirGroups) {
+  BackwardCompanions companions;
+  companions.close_scope({1, 2}, {});
+  companions.close_scope({2, 6}, {});  // a parent reading its child's parameter
+  for (int64_t id : {1, 2, 6}) EXPECT_EQ(companions.with(id), (Ids{1, 2, 6}));
+  companions.close_scope({1, 2}, {});  // the next pass changes nothing
+  EXPECT_EQ(companions.with(1), (Ids{1, 2, 6}));
+}
+
 }  // namespace
 }  // namespace sharc

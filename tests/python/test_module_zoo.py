@@ -1,7 +1,8 @@
 """Stock torch.nn building blocks that reach their parameters in their own
 ways, trained eager and compiled on 2 gloo ranks against one unsharded
 process (SGD, 3 steps; see scenario.py): recurrent layers (which cache
-their weights in `_flat_weights`), attention (`in_proj_weight` read by a
+their weights in `_flat_weights`; one fed packed sequences of lengths
+that differ between ranks), attention (`in_proj_weight` read by a
 functional), a transformer encoder, activation checkpointing both ways
 (recomputing a forward inside backward: a second set of gathers and saved
 tensors that must match the first) and selective, a parametrized weight (weight_norm's
@@ -36,6 +37,27 @@ class Recurrent(nn.Module):
         h, _ = self.lstm(x)
         h, _ = self.gru(h)
         return F.mse_loss(self.head(h[:, -1]).squeeze(-1), y)
+
+
+class PackedRecurrent(nn.Module):
+    """A 2-layer LSTM fed packed sequences whose lengths come from the data:
+    a rank whose lengths are all equal gets another backward graph (it
+    saves and unpacks the weights in another order, and saves the first
+    layer's weight_ih where unequal lengths do not), which once parted the
+    ranks' backward gathers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(WIDTH, WIDTH, num_layers=2, batch_first=True)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        # With batch(): rank 0's lengths differ and rank 1's are equal at step 0.
+        lengths = torch.where(x[:, 0, 3] > 0, 5, 3)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        h, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
+        return F.mse_loss(self.head(h.sum(1)).squeeze(-1), y)
 
 
 class Attention(nn.Module):
@@ -122,7 +144,7 @@ class Assorted(nn.Module):
         return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
 
 
-MODELS = {cls.__name__: cls for cls in (Recurrent, Attention, Checkpointed, CheckpointedTwice,
+MODELS = {cls.__name__: cls for cls in (Recurrent, PackedRecurrent, Attention, Checkpointed, CheckpointedTwice,
                                          SelectiveCheckpointed, Assorted)}
 
 

@@ -36,6 +36,24 @@
 // gradient never reached the gather (frozen ones among them), at the end of
 // the backward pass.
 //
+// Backward companions. Which of a module's parameters autograd saves, the
+// order it unpacks them in and the order it runs the module's backward
+// nodes in can all depend on the data: an LSTM fed a packed batch whose
+// lengths are all equal saves every weight, one fed unequal lengths skips
+// the first layer's weight_ih (its input needs no gradient) and unpacks
+// weight_hh first. Gathered one by one at their first unpack, the ranks'
+// all-gathers would part inside one module. So the parameters one scope
+// held (what a module's forward read, the same on every rank) form a group,
+// and the first unpack of any member starts one bucketed all-gather of
+// every member not held yet, then holds each: every rank issues the same
+// gather whichever member its backward reached first, and a member its
+// backward never unpacks is let go with the others at the end of backward.
+// A group's unsaved members (a Linear's bias) travel in the same
+// collective, so the count of collectives is unchanged or lower. Groups
+// are merged across scopes and passes (a parameter read in two scopes
+// joins both), alike on every rank. Tied parameters (held by the pass) and
+// gather-unit members (gathered whole by their unit) stay out.
+//
 // These classes keep the bookkeeping only, whatever the held value is (the
 // full tensor in the runtime); the runtime's EagerScope
 // (runtime/eager_scope.h) gathers and releases. Not thread-safe: the owner
@@ -43,6 +61,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -122,6 +141,33 @@ class BackwardHolds {
 
  private:
   std::map<int64_t, Full> held_;
+};
+
+/// The backward companions of one sharded root (see [Note: eager holds]).
+class BackwardCompanions {
+ public:
+  /// A scope that held `held` closes: they form a group (merged with the
+  /// groups they are already in). `outside`: never grouped.
+  void close_scope(const std::vector<int64_t>& held, const std::set<int64_t>& outside) {
+    std::set<int64_t> group;
+    for (int64_t id : held) {
+      if (outside.count(id) > 0) continue;
+      group.insert(id);
+      auto it = groups_.find(id);
+      if (it != groups_.end()) group.insert(it->second.begin(), it->second.end());
+    }
+    if (group.size() < 2) return;
+    const std::vector<int64_t> members(group.begin(), group.end());
+    for (int64_t id : members) groups_[id] = members;
+  }
+  /// What backward gathers with `id`, in id order (`id` included).
+  std::vector<int64_t> with(int64_t id) const {
+    auto it = groups_.find(id);
+    return it == groups_.end() ? std::vector<int64_t>{id} : it->second;
+  }
+
+ private:
+  std::map<int64_t, std::vector<int64_t>> groups_;
 };
 
 }  // namespace sharc

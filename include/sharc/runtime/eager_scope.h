@@ -75,7 +75,8 @@ class EagerScope {
   int64_t saved_param(int64_t root, const at::Tensor& saved);
   /// Backward of `root` unpacks a saved handle of `id`: the full tensor,
   /// kept from forward or gathered again (blocking) on the pass's first
-  /// unpack, and held until the gather's backward ran or backward ends.
+  /// unpack, with its backward companions not yet held (see [Note: eager
+  /// holds]), and held until the gather's backward ran or backward ends.
   at::Tensor unpack(int64_t root, int64_t id);
 
   /// A gather unit's forward begins (blocking: one bucketed all-gather,
@@ -127,6 +128,7 @@ class EagerScope {
     /// unpacked them yet; the next forward pass drops what is left.
     std::set<int64_t> kept_for_backward;
     BackwardHolds<at::Tensor> backward;
+    BackwardCompanions companions;  ///< gathered together in backward
     bool saves_elsewhere = false;  ///< set at the outermost scope
     std::vector<Unit> units;
     std::vector<int64_t> units_in_backward;  ///< in the order backward reached them
@@ -170,6 +172,9 @@ class EagerScope {
   /// waits for it and adds it into its shards' grads.
   UnitReduction start_unit_reduction(const Unit& unit);
   void finish_unit_reduction(UnitReduction& reduction);
+  /// The parameters a closing scope of `r` may not group with others:
+  /// tied ones and gather-unit members.
+  std::set<int64_t> ungrouped_locked(const Root& r) const;
   /// The parameter got a fresh base buffer: key it by the new storage.
   void rekey_locked(int64_t root, int64_t id);
 
