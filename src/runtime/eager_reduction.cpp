@@ -184,19 +184,32 @@ std::shared_ptr<EagerBucket> EagerReduction::open_bucket_locked(int64_t id) {
   return bucket;
 }
 
+std::shared_ptr<EagerBucket> EagerReduction::unit_bucket_locked() const {
+  // A gather unit member's gather: its gradient is held back for the unit's
+  // reduction, and how often the unit's modules read it depends on the
+  // rank's data (a loop, routing). In the open bucket, a second read would
+  // close it early, and its bytes would close it at another module exit,
+  // so the ranks' buckets would part; on its own it changes nothing of them.
+  auto bucket = std::make_shared<EagerBucket>();
+  bucket->wait_at = open_ ? open_->wait_at : last_opened_at_;
+  return bucket;
+}
+
 void EagerReduction::connect(at::Tensor& full, const at::Tensor& shard, int64_t id,
                              c10::ScalarType reduce, c10::intrusive_ptr<Runtime> owner) {
   std::shared_ptr<EagerBucket> bucket;
   size_t slot = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    bucket = open_bucket_locked(id);
+    const bool deferred = runtime_.reduction_deferred(id);
+    bucket = deferred ? unit_bucket_locked() : open_bucket_locked(id);
     slot = bucket->ids.size();
     const int64_t reduce_bytes = full.numel() * static_cast<int64_t>(c10::elementSize(reduce));
-    bucket->add_slot(id, reduce_bytes, runtime_.reduction_deferred(id));
+    bucket->add_slot(id, reduce_bytes, deferred);
     const auto limit = open_roots_.empty() ? bucket_bytes_.end()
                                            : bucket_bytes_.find(open_roots_.back());
-    if (bucket->bytes >= (limit == bucket_bytes_.end() ? kDefaultBucketBytes : limit->second)) {
+    if (!deferred &&
+        bucket->bytes >= (limit == bucket_bytes_.end() ? kDefaultBucketBytes : limit->second)) {
       close_at_exit_ = true;
     }
   }

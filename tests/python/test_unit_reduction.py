@@ -172,3 +172,60 @@ def test_under_hybrid_sharding_a_member_no_rank_used_gets_no_gradient(accumulate
     all-reduce holds nothing back for a member its shard group left unused."""
     results = run_ranks(_routed_hybrid, 4, accumulate)
     _check_against_one_process(results, 4, [[True, True]] * (6 if accumulate else 3))
+
+
+class _Repeated(torch.nn.Module):
+    """`body` (a gather unit) runs a number of times the data decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 6)
+        self.body = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(_repeats(x)):
+            h = torch.tanh(self.body(h))
+        return self.out(h).pow(2).mean()
+
+
+def _repeats(x) -> int:
+    return 1 + int(x.shape[0]) % 3  # rows 4, 5, 6 -> 2, 3, 1 calls
+
+
+def _repeated_batch(step, rank):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4 + (step + rank) % 3, 6, generator=g)
+
+
+def _train_repeated(rank, world, mode):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Repeated()
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=("body",)))
+    run = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        run(_repeated_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return sharc.full_state_dict(model)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_unit_run_a_different_number_of_times_on_each_rank_trains_as_one_process(mode):
+    """The unit's reads join no reduction bucket: counted in them, a second
+    read closed the bucket early on the rank that looped more, and the
+    ranks' reductions of the parameters outside the unit parted."""
+    torch.manual_seed(0)
+    reference = _Repeated()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        (sum(reference(_repeated_batch(step, r)) for r in range(2)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in run_ranks(_train_repeated, 2, mode):
+        for name, want in reference.state_dict().items():
+            torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)

@@ -34,6 +34,10 @@
 // its reduction overlaps them. The first bucket's waits carry 0: the end of
 // backward.
 //
+// A gather unit's members (whose gradients wait for the unit's own
+// reduction) join no bucket: the unit's modules may run a different number
+// of times on each rank.
+//
 // Every rank draws the same buckets from the same forward and the engine
 // runs one backward in the same order on every rank, so the ranks start the
 // same reductions in the same order. Ranks whose code differs are caught
@@ -93,6 +97,9 @@ class EagerReduction {
 
  private:
   std::shared_ptr<EagerBucket> open_bucket_locked(int64_t id);
+  /// A bucket of its own for a gather unit member's gather (held back),
+  /// leaving the ranks' buckets as their other parameters draw them.
+  std::shared_ptr<EagerBucket> unit_bucket_locked() const;
   void start_collected_locked();
   void complete_locked(const std::shared_ptr<EagerRun>& run);
   void finish_pass_locked(const std::shared_ptr<EagerBucket>& bucket);
