@@ -82,6 +82,41 @@ def test_state_dicts_inside_unsharded_speak_its_full_tensors():
         assert "'2.bias' was changed inside sharc.unsharded(model) without writeback=True" \
             in seen["no_writeback"], seen["no_writeback"]
 
+
+def _save_pretrained_inside(rank, world, directory):
+    import json
+    import os
+
+    import sharc
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40,
+                                       n_positions=16))
+    sharc.shard(model)
+    with sharc.unsharded(model):
+        if rank == 0:
+            model.save_pretrained(directory)
+    dist.barrier()
+    with open(os.path.join(directory, "config.json")) as f:
+        architectures = json.load(f)["architectures"]
+    saved = GPT2LMHeadModel.from_pretrained(directory).state_dict()
+    full = sharc.full_state_dict(model)
+    return architectures, repr(model).split("(")[0], all(
+        torch.equal(saved[k], v) for k, v in full.items())
+
+
+def test_save_pretrained_inside_unsharded_names_the_original_class(tmp_path):
+    """transformers writes type(model).__name__ into config.json's
+    "architectures", which loaders read to find the class: shard() keeps
+    the model's class name (sharc's subclass of it takes its names)."""
+    for architectures, shown, same in run_ranks(_save_pretrained_inside, 2, str(tmp_path)):
+        assert architectures == ["GPT2LMHeadModel"]
+        assert shown == "GPT2LMHeadModel"  # repr too
+        assert same
+
+
 def _one_element_writeback(rank, world):
     import sharc
 
