@@ -18,7 +18,7 @@ from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
 from sharc._pending_init import AWAITING as AWAITING_INIT, PendingInit, refuse as refuse_unset
 from sharc._rank_check import RankCheck
-from sharc._state import ModuleState, _ShardedRoot
+from sharc._state import ModuleState, _ShardedRoot, unwrap_compiled
 from sharc.checkpoint import state_dict_hooks
 from sharc.config import ShardConfig
 from sharc.eager import full_param_access
@@ -74,7 +74,18 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     only this rank's shards, allocated on `config.device`; it then awaits
     its values from sharc.init_weights() or sharc.load_full_state_dict()
     (docs/design/meta-init.md).
+
+    Given what torch.compile returned, shards the model under it: the
+    wrapper and the model both work afterwards, and `module` is returned.
     """
+    # Every helper (full_state_dict, unsharded, ...) finds the root on the
+    # model under the wrapper, so the records go there.
+    _shard_in_place(unwrap_compiled(module), group, config, mesh)
+    return module
+
+
+def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, mesh) -> None:
+    """shard() of a module that is not a torch.compile wrapper."""
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
         raise TypeError(f"sharc.shard(): config must be a sharc.ShardConfig, got {config!r}")
@@ -139,7 +150,6 @@ def shard(module: torch.nn.Module, group=None, *, config: ShardConfig | None = N
     _added_after_shard.mark(module)
     _added_after_shard.install()  # [Note: added after shard]
     RECOMPILE_ROOM.add(module)
-    return module
 
 
 def _install_unit(unit: torch.nn.Module, refs_by_shard, schedule, keep_bytes: int) -> None:

@@ -75,6 +75,43 @@ def test_scheduled_graphs_without_inductor_match():
     _compare(2, {"inductor": False})
 
 
+def _train_compiled(rank, world, compile_first):
+    """Two steps, compiled after shard() or compiled first and the wrapper
+    torch.compile returned given to shard(); the root-level helpers asked
+    through the wrapper and through the model."""
+    import sharc
+
+    model = make_parity_model()
+    if compile_first:
+        step_fn = sharc.shard(torch.compile(model, backend="sharc"))
+    else:
+        step_fn = torch.compile(sharc.shard(model), backend="sharc")
+    opt = make_optimizer(step_fn.parameters())
+    for step in range(2):
+        x, y = global_batch(step, BATCH_PER_RANK * world)
+        step_fn(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    model_sd, _ = sharc.get_state_dict(step_fn, opt)
+    return sharc.full_state_dict(step_fn), sharc.full_state_dict(model), sorted(model_sd)
+
+
+def test_sharding_the_compiled_wrapper_trains_like_compiling_the_sharded_model():
+    """shard(torch.compile(model)) shards the model under the wrapper: the
+    same parameters after two steps as torch.compile(shard(model)), and
+    full_state_dict / get_state_dict answer through either."""
+    for wrapped, plain in zip(run_ranks(_train_compiled, 2, True, timeout=420),
+                              run_ranks(_train_compiled, 2, False, timeout=420)):
+        for got, want in zip(wrapped, plain):  # the same names both ways
+            assert list(got) == list(want)
+        via_wrapper, via_model, _ = wrapped
+        for name, value in plain[1].items():
+            assert torch.equal(via_model[name], value), name
+            assert torch.equal(via_wrapper["_orig_mod." + name], value), name
+    initial = make_parity_model().state_dict()
+    assert any(not torch.equal(v, initial[k]) for k, v in plain[1].items())  # it trained
+
+
 class _RowLoop(torch.nn.Module):
     """After a graph break, a sharded Linear on rows picked by tensor
     indices, and another reading the whole input: the backward sums

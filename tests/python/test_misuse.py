@@ -341,20 +341,57 @@ def _structure_after_shard(rank, world):
         "transformer.h.0.ln_1.bias"]
     attempt("tie_weights", lm.tie_weights)  # tied already: nothing to do
     errors["still_tied"] = lm.lm_head._parameters["weight"] is shards["transformer.wte.weight"]
-    attempt("resize", lambda: lm.resize_token_embeddings(48, mean_resizing=False))
+    errors["resize"] = _resize_after_shard(lm, 48)
+    for name in ("LlamaForCausalLM", "LlamaForSequenceClassification"):
+        errors[f"resize_{name}"] = _resize_after_shard(_tiny_llama(name), 120)
     return errors
+
+
+def _tiny_llama(class_name):
+    import sharc
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2))
+    sharc.shard(model)
+    return model
+
+
+def _resize_after_shard(model, new_vocab):
+    """transformers' resize_token_embeddings after shard(): its error, and
+    whether the model is as it was (the embedding's num_embeddings, the
+    config's vocab_size, every parameter)."""
+    import sharc
+
+    before = {k: v.clone() for k, v in sharc.full_state_dict(model).items()}
+    embedding = model.get_input_embeddings()
+    old_vocab = embedding.num_embeddings
+    try:
+        model.resize_token_embeddings(new_vocab, mean_resizing=False)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    after = sharc.full_state_dict(model)
+    unchanged = (model.get_input_embeddings() is embedding
+                 and embedding.num_embeddings == old_vocab
+                 and model.config.vocab_size == old_vocab
+                 and after.keys() == before.keys()
+                 and all(torch.equal(after[k], before[k]) for k in before))
+    return error, unchanged
 
 
 def test_structure_changes_after_shard_are_refused_where_made():
     """A parameter entering a sharded model later would be trained apart on
     each rank, silently; transformers' tie_weights on tied weights is a
-    no-op and get_parameter gives the shard named_parameters() gives."""
+    no-op and get_parameter gives the shard named_parameters() gives;
+    resize_token_embeddings raises and leaves the model as it was."""
     for errors in run_ranks(_structure_after_shard, 2, timeout=180):
         for case, what in (("module", "module '2' (Linear)"),
                            ("parameter", "parameter 'scale' (shape (4,)) to a Linear of a sharded model"),
                            ("nested", "module 'extra' (Sequential), whose parameter "
-                                      "'0.weight' is not sharded"),
-                           ("resize", "module 'lm_head' (Linear)")):
+                                      "'0.weight' is not sharded")):
             assert errors[case] is not None, case
             assert f"cannot add the {what}" in errors[case], (case, errors[case])
             assert "after sharc.shard()" in errors[case]
@@ -366,6 +403,15 @@ def test_structure_changes_after_shard_are_refused_where_made():
         assert errors["get_parameter"] and errors["get_parameter_plain"]
         assert errors["tie_weights"] is None, errors["tie_weights"]
         assert errors["still_tied"]
+        # resize_token_embeddings assigns the old embedding's weight.data
+        # first: refused there, before it changes anything (tied or not).
+        for case in ("resize", "resize_LlamaForCausalLM", "resize_LlamaForSequenceClassification"):
+            error, unchanged = errors[case]
+            assert error is not None, case
+            assert "assigning `.data` on it would change the copy only" in error, (case, error)
+            assert "change shapes (resize_token_embeddings included) before sharc.shard()" \
+                in error, (case, error)
+            assert unchanged, case
 
 
 # --------------------------------------------------- clip_grad_norm_()

@@ -26,6 +26,7 @@ def _writeback(rank, world):
         nn.init.zeros_(model[0].bias)
         model[2].weight.copy_(torch.arange(21.0).reshape(3, 7))
         model[0].weight.data.fill_(0.5)
+        model[2].bias.data = torch.full((3,), 4.0)  # a new tensor swapped in
         assert model[0].weight is model[0].weight  # one tensor per parameter inside
         inside = sharc.memory_stats()["gathered_bytes"]
     full = sharc.full_state_dict(model)
@@ -38,6 +39,7 @@ def test_writeback_reaches_the_shards():
         assert torch.equal(full["0.bias"], torch.zeros(7))
         assert torch.equal(full["0.weight"], torch.full((7, 5), 0.5))
         assert torch.equal(full["2.weight"], torch.arange(21.0).reshape(3, 7))
+        assert torch.equal(full["2.bias"], torch.full((3,), 4.0))
         hidden = torch.tanh(torch.full((2, 7), 2.5))
         assert torch.allclose(out, hidden @ full["2.weight"].T + full["2.bias"])
         assert inside == 0 and after == 0  # copies of their own, not the runtime's buffers
@@ -79,6 +81,41 @@ def test_state_dicts_inside_unsharded_speak_its_full_tensors():
         assert torch.equal(seen["after"]["2.bias"], torch.full((3,), 2.0))
         assert "'2.bias' was changed inside sharc.unsharded(model) without writeback=True" \
             in seen["no_writeback"], seen["no_writeback"]
+
+
+def _save_pretrained_inside(rank, world, directory):
+    import json
+    import os
+
+    import sharc
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40,
+                                       n_positions=16))
+    sharc.shard(model)
+    with sharc.unsharded(model):
+        if rank == 0:
+            model.save_pretrained(directory)
+    dist.barrier()
+    with open(os.path.join(directory, "config.json")) as f:
+        architectures = json.load(f)["architectures"]
+    saved = GPT2LMHeadModel.from_pretrained(directory).state_dict()
+    full = sharc.full_state_dict(model)
+    return architectures, repr(model).split("(")[0], all(
+        torch.equal(saved[k], v) for k, v in full.items())
+
+
+def test_save_pretrained_inside_unsharded_names_the_original_class(tmp_path):
+    """transformers writes type(model).__name__ into config.json's
+    "architectures", which loaders read to find the class: shard() keeps
+    the model's class name (sharc's subclass of it takes its names)."""
+    for architectures, shown, same in run_ranks(_save_pretrained_inside, 2, str(tmp_path)):
+        assert architectures == ["GPT2LMHeadModel"]
+        assert shown == "GPT2LMHeadModel"  # repr too
+        assert same
+
 
 def _one_element_writeback(rank, world):
     import sharc
@@ -136,6 +173,7 @@ def _errors(rank, world):
 
     errors = {}
     model = _model()
+    initial = sharc.full_state_dict(model)
     try:
         with sharc.unsharded(model):  # no writeback
             nn.init.zeros_(model[0].bias)
@@ -152,6 +190,14 @@ def _errors(rank, world):
                         ("index", lambda w: w.view(-1).__setitem__(0, 1.0))):
         try:
             write(model[2].weight)
+            errors[name] = "no error"
+        except RuntimeError as e:
+            errors[name] = str(e)
+    # Assigning .data swaps the copy's storage, at the same shape or
+    # another (transformers' resize_token_embeddings).
+    for name, new in (("data=", torch.zeros(3, 7)), ("data=shape", torch.zeros(4, 7))):
+        try:
+            model[2].weight.data = new
             errors[name] = "no error"
         except RuntimeError as e:
             errors[name] = str(e)
@@ -190,7 +236,8 @@ def _errors(rank, world):
         model[0].weight = nn.Parameter(torch.zeros(7, 5))
     except RuntimeError as e:
         errors["assign"] = str(e)
-    errors["unchanged"] = bool(sharc.full_state_dict(model)["0.weight"].abs().sum() > 0)
+    after = sharc.full_state_dict(model)
+    errors["unchanged"] = all(torch.equal(after[k], v) for k, v in initial.items())
     return errors
 
 
@@ -203,6 +250,12 @@ def test_lost_or_diverging_writes_raise():
         assert "fill_ on it would change the copy only" in errors["data"]
         assert "zero_ on it would change the copy only" in errors["detach"]
         assert "__setitem__ on it would change the copy only" in errors["index"]
+        for name in ("data=", "data=shape"):
+            assert "'2.weight' read outside forward is a copy" in errors[name], errors[name]
+            assert "assigning `.data` on it would change the copy only" in errors[name]
+            assert "sharc.unsharded(model, writeback=True)" in errors[name]
+        assert "change shapes" not in errors["data="]  # unsharded() can do this one
+        assert "The new shape ([4, 7] for [3, 7]) cannot reach the shards" in errors["data=shape"]
         for name in ("init.normal_", "init.kaiming_uniform_", "init.eye_", "reset_parameters"):
             assert "'2.weight' read outside forward is a copy" in errors[name], (name, errors)
         for name in ("requires_grad_", "requires_grad="):

@@ -178,7 +178,14 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs["__deepcopy__"] = _deepcopy
     attrs["__setattr__"] = _setattr
     attrs.update(_rnn_attributes(cls))
-    return type(f"Sharded{cls.__name__}", (cls,), attrs)
+    # Under the original class's name: transformers' save_pretrained writes
+    # type(model).__name__ into config.json's "architectures", which loaders
+    # read to find the class, and repr() and error messages name it too.
+    # __module__ stays sharc's: Dynamo treats a class whose __module__ is in
+    # torch.nn as one of torch's own modules (as torch's parametrize, sharc
+    # keeps its class out of that).
+    attrs["__qualname__"] = cls.__qualname__
+    return type(cls.__name__, (cls,), attrs)
 
 
 def install(module: torch.nn.Module, state: ModuleState) -> None:

@@ -165,18 +165,44 @@ _WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrue
 _HARMLESS = frozenset({"retain_grad", "share_memory_"})
 
 
+def _sets_attribute(func, name: str, attribute: str) -> bool:
+    """Whether `func` is the setter of the tensor attribute `attribute`
+    (`w.<attribute> = ...` reaches __torch_function__ as its `__set__`)."""
+    owner = getattr(func, "__self__", None)
+    return name == "__set__" and getattr(owner, "__name__", "") == attribute
+
+
 def _sets_requires_grad(func, name: str) -> bool:
     """`w.requires_grad_(...)` or `w.requires_grad = ...`."""
-    if name == "requires_grad_":
-        return True
-    owner = getattr(func, "__self__", None)
-    return name == "__set__" and getattr(owner, "__name__", "") == "requires_grad"
+    return name == "requires_grad_" or _sets_attribute(func, name, "requires_grad")
+
+
+def _copy_write_refused(copy: "OutsideForwardCopy", what: str) -> RuntimeError:
+    """The error for a write (`what`) to a copy read outside forward."""
+    return RuntimeError(
+        f"sharc: '{copy.sharc_fqn}' read outside forward is a copy of the sharded "
+        f"parameter; {what} on it would change the copy only. To change parameters "
+        "after sharc.shard(), write them inside `with sharc.unsharded(model, "
+        "writeback=True):`, or load them with sharc.load_full_state_dict")
+
+
+def _data_assignment_refused(copy: "OutsideForwardCopy", new) -> RuntimeError:
+    """`w.data = new` swaps the copy's storage (transformers'
+    resize_token_embeddings does it); the shards never see it."""
+    error = _copy_write_refused(copy, "assigning `.data`")
+    if not isinstance(new, torch.Tensor) or new.shape == copy.shape:
+        return error
+    # unsharded() would refuse it too: shard() fixed every parameter's shape.
+    return RuntimeError(
+        f"{error}. The new shape ({list(new.shape)} for {list(copy.shape)}) cannot reach "
+        "the shards that way either: change shapes (resize_token_embeddings "
+        "included) before sharc.shard()")
 
 
 class OutsideForwardCopy(torch.Tensor):
     """What `module.weight` gives outside every forward: a copy of the full
-    parameter. Writing to it in place would change the copy only, so it
-    raises, naming what does reach the shards. A view of it (`.data`,
+    parameter. Writing to it in place (or assigning its `.data`) would
+    change the copy only, so it raises, naming what does reach the shards. A view of it (`.data`,
     `.detach()`, `view`, indexing) is such a copy too, so writes through it
     raise the same way; a NumPy array of it is beyond reach (writing one
     changes the copy only). Every other op runs as on a tensor and returns
@@ -200,12 +226,10 @@ class OutsideForwardCopy(torch.Tensor):
                 "requires_grad on the shard the optimizer holds: "
                 "`for p in module.parameters(): p.requires_grad_(flag)`, or "
                 f"`dict(model.named_parameters())['{target.sharc_fqn}'].requires_grad_(flag)`")
+        if isinstance(target, cls) and _sets_attribute(func, name, "data"):
+            raise _data_assignment_refused(target, args[1])
         if in_place and isinstance(target, cls):
-            raise RuntimeError(
-                f"sharc: '{target.sharc_fqn}' read outside forward is a copy of the sharded "
-                f"parameter; {name} on it would change the copy only. To change parameters "
-                "after sharc.shard(), write them inside `with sharc.unsharded(model, "
-                "writeback=True):`, or load them with sharc.load_full_state_dict")
+            raise _copy_write_refused(target, name)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
         if isinstance(target, cls):
