@@ -11,8 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from sharc import (_added_after_shard, _mesh, _optimizer_writes, _torch_clip, _validate,
-                   mixed_precision)
+from sharc import (_added_after_shard, _mesh, _optimizer_support, _optimizer_writes,
+                   _torch_clip, _validate, mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -172,7 +172,9 @@ _REPLACED = "_sharc_replaced_by_shard"
 def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
     """Optimizer step pre-hook (every optimizer): an optimizer made before
     shard() holds the unsharded parameters, which never get a gradient again,
-    so its steps would silently change nothing."""
+    so its steps would silently change nothing; and an optimizer that computes
+    over whole parameters cannot train flat shards ([Note: optimizers over
+    whole parameters] in _optimizer_support.py)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = getattr(p, _REPLACED, None)
@@ -192,6 +194,7 @@ def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
                     f"sharc.shard() and still holds the unsharded parameter '{name}', which "
                     "no longer trains; create the optimizer after shard() from "
                     "model.parameters() (the shards)")
+    _optimizer_support.check_step(optimizer)
 
 
 @functools.cache
@@ -199,6 +202,7 @@ def _install_optimizer_check() -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(_check_optimizer_params)
+    _optimizer_support.install()
 
 
 def _register(runtime, group_name: str, named, dtypes,

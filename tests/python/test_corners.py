@@ -498,6 +498,98 @@ def test_an_optimizer_created_before_shard_is_refused_at_its_first_step():
         assert "created before sharc.shard()" in message and "'a.weight'" in message
 
 
+# -- optimizers that compute over whole parameters --------------------------------------
+_WHOLE_PARAMETER_OPTIMIZERS = {
+    "LBFGS": lambda params: torch.optim.LBFGS(params, max_iter=2),
+    "Adafactor": lambda params: torch.optim.Adafactor(params),
+}
+
+
+def _loss_closure(model, rank, world):
+    def closure():
+        model.zero_grad()
+        loss = model(*batch(0, rank, world)).pow(2).mean()
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _steps(model, make, rank, world):
+    """Two steps of a new optimizer over `model`: each one's error, or None."""
+    opt = make(model.parameters())
+    errors = []
+    for _ in range(2):  # the second step is checked again, not waved through
+        try:
+            opt.step(_loss_closure(model, rank, world))
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _moved(model, before):
+    return any(not torch.equal(p, before[n]) for n, p in model.state_dict().items())
+
+
+def _whole_parameter_optimizers(rank, world):
+    import sharc
+
+    model = make_net()
+    sharc.shard(model)
+    plain = make_net()  # unsharded, in the same process: its optimizers step as ever
+    sharded_errors, plain_errors, plain_moved = {}, {}, {}
+    for name, make in _WHOLE_PARAMETER_OPTIMIZERS.items():
+        sharded_errors[name] = _steps(model, make, rank, world)
+        before = {n: p.clone() for n, p in plain.state_dict().items()}
+        plain_errors[name] = _steps(plain, make, rank, world)
+        plain_moved[name] = _moved(plain, before)
+    sharded_errors["SparseAdam"] = _steps(model, torch.optim.SparseAdam, rank, world)
+    if hasattr(torch.optim, "Muon"):  # refuses a 1-D parameter when it is built
+        try:
+            torch.optim.Muon(model.parameters())
+        except ValueError as e:
+            sharded_errors["Muon"] = [str(e)]
+        weights = [p for n, p in plain.named_parameters() if n.endswith("weight")]
+        before = {n: p.clone() for n, p in plain.state_dict().items()}
+        plain_errors["Muon"] = _steps(plain, lambda _: torch.optim.Muon(weights), rank, world)
+        plain_moved["Muon"] = _moved(plain, before)
+    before = sharc.full_state_dict(model)
+    adamw_errors = _steps(model, torch.optim.AdamW, rank, world)
+    adamw_moved = any(not torch.equal(v, before[n])
+                      for n, v in sharc.full_state_dict(model).items())
+    return sharded_errors, plain_errors, plain_moved, adamw_errors, adamw_moved
+
+
+def test_optimizers_over_whole_parameters_are_refused_on_shards_and_step_elsewhere():
+    """LBFGS and Adafactor compute over whole parameters (or all of them
+    together): on flat shards they would silently give other numbers, so
+    their first step over a shard raises, naming them and what to use.
+    Over an unsharded model in the same process they step as ever, and an
+    element-wise optimizer still trains the shards."""
+    for sharded, plain, plain_moved, adamw_errors, adamw_moved in run_ranks(
+            _whole_parameter_optimizers, 2):
+        names = ["LBFGS", "Adafactor", "SparseAdam"] + (
+            ["Muon"] if hasattr(torch.optim, "Muon") else [])
+        assert sorted(sharded) == sorted(names), sharded
+        for name in names:
+            for message in sharded[name]:
+                assert message is not None, name
+                assert message.startswith(
+                    f"sharc: torch.optim.{name} cannot train sharded parameters (after "
+                    "sharc.shard() every parameter it holds is this rank's flat 1-D shard): "
+                ), message
+                assert "torch.optim.AdamW" in message, message
+        assert "of all parameters together" in sharded["LBFGS"][0]
+        assert "train a model for LBFGS unsharded" in sharded["LBFGS"][0]
+        assert "rows and columns" in sharded["Adafactor"][0]
+        assert "sharding already divides the optimizer state" in sharded["Adafactor"][0]
+        assert "dense shard" in sharded["SparseAdam"][0]
+        for name, errors in plain.items():
+            assert errors == [None, None] and plain_moved[name], (name, errors)
+        assert adamw_errors == [None, None] and adamw_moved
+
+
 # -- dtype and device changes, deep copies after shard() ------------------------------
 def _after_shard_changes(rank, world):
     import copy
