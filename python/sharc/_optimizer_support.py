@@ -15,8 +15,10 @@ does not hold (an unsharded model in the same process) they step as ever.
 Muon refuses a 1-D parameter in its constructor, before any step, so its
 constructor is wrapped to give the same explanation.
 
-The hook runs on every step of every optimizer: other classes cost one
-isinstance check, and a refusable one over no shard is looked at again
+Classes are recognised by the names along their MRO, so another library's
+class of the same algorithm (transformers' Adafactor) is refused too. The
+hook runs on every step of every optimizer: other classes cost one cached
+lookup by type, and a refusable one over no shard is looked at again
 only after its param groups changed (add_param_group).
 """
 
@@ -63,22 +65,22 @@ _NO_SHARD_SEEN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = (
 
 
 @functools.cache
-def _refused_classes() -> tuple[type, ...]:
-    """The refused classes this torch has (Muon and Adafactor are recent)."""
-    classes = (getattr(torch.optim, name, None) for name in _REFUSED)
-    return tuple(c for c in classes if c is not None)
+def _refused_name(cls: type) -> str | None:
+    """The refused algorithm `cls` implements, by the class names along its
+    MRO: torch's class, a subclass of it, or another library's class of the
+    same name and algorithm (transformers' Adafactor is not torch's)."""
+    return next((c.__name__ for c in cls.__mro__ if c.__name__ in _REFUSED), None)
 
 
 def _holds_a_shard(param_groups) -> bool:
     return any(hasattr(p, SHARD_PID) for group in param_groups for p in group["params"])
 
 
-def _refusal(optimizer) -> str:
-    """The error for `optimizer` (an instance of a refused class, or of a
-    subclass of one, named as both)."""
-    name = next(c.__name__ for c in _refused_classes() if isinstance(optimizer, c))
-    who = type(optimizer).__name__
-    who = f"torch.optim.{name}" if who == name else f"{who} (a torch.optim.{name})"
+def _refusal(optimizer, name: str) -> str:
+    """The error for `optimizer`, which implements the refused `name`."""
+    cls = type(optimizer)
+    who = (f"torch.optim.{name}" if cls is getattr(torch.optim, name, None) else
+           f"{cls.__module__}.{cls.__qualname__} ({name})")
     why, instead = _REFUSED[name]
     return (f"sharc: {who} cannot train sharded parameters (after sharc.shard() every "
             f"parameter it holds is this rank's flat 1-D shard): {why}. Instead, {instead}")
@@ -86,13 +88,14 @@ def _refusal(optimizer) -> str:
 
 def check_step(optimizer) -> None:
     """Raises at a step of a refused optimizer that holds a shard."""
-    if not isinstance(optimizer, _refused_classes()):
+    name = _refused_name(type(optimizer))
+    if name is None:
         return
     groups = len(optimizer.param_groups)
     if _NO_SHARD_SEEN.get(optimizer) == groups:
         return
     if _holds_a_shard(optimizer.param_groups):
-        raise RuntimeError(_refusal(optimizer))
+        raise RuntimeError(_refusal(optimizer, name))
     _NO_SHARD_SEEN[optimizer] = groups
 
 
@@ -117,6 +120,6 @@ def _explain_init_errors(init):
             if not _holds_a_shard(getattr(self, "param_groups", ())):
                 raise
             # The type torch raises, so code that catches Muon's error still does.
-            raise ValueError(_refusal(self)) from error
+            raise ValueError(_refusal(self, "Muon")) from error
 
     return __init__

@@ -66,10 +66,12 @@ namespace {
 std::string in_place_write_error(const ShardedParam& p) {
   return detail::concat(
       "sharc: '", p.name, "' was changed in place inside forward (a write to the gathered "
-      "parameter, such as `self.weight.mul_(...)`); the change never reaches the shards and is "
+      "parameter, such as `self.weight.mul_(...)`, or `nn.Embedding(max_norm=...)`, which "
+      "renormalises the rows it looks up in place); the change never reaches the shards and is "
       "lost when the gathered value is released. Change parameters outside forward, on every "
       "rank, inside `with sharc.unsharded(model, writeback=True):`, or compute with a changed "
-      "copy (`w = self.weight * s`)");
+      "copy (`w = self.weight * s`; for max_norm, renormalise the looked-up rows out of place: "
+      "`F.embedding(ids, w)` then scale the rows whose norm exceeds it)");
 }
 }  // namespace
 

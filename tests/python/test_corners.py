@@ -554,6 +554,10 @@ def _whole_parameter_optimizers(rank, world):
         before = {n: p.clone() for n, p in plain.state_dict().items()}
         plain_errors["Muon"] = _steps(plain, lambda _: torch.optim.Muon(weights), rank, world)
         plain_moved["Muon"] = _moved(plain, before)
+    from transformers.optimization import Adafactor as HFAdafactor  # not torch's class
+
+    sharded_errors["transformers Adafactor"] = _steps(
+        model, lambda params: HFAdafactor(params, lr=1e-3, relative_step=False), rank, world)
     before = sharc.full_state_dict(model)
     adamw_errors = _steps(model, torch.optim.AdamW, rank, world)
     adamw_moved = any(not torch.equal(v, before[n])
@@ -571,7 +575,11 @@ def test_optimizers_over_whole_parameters_are_refused_on_shards_and_step_elsewhe
             _whole_parameter_optimizers, 2):
         names = ["LBFGS", "Adafactor", "SparseAdam"] + (
             ["Muon"] if hasattr(torch.optim, "Muon") else [])
-        assert sorted(sharded) == sorted(names), sharded
+        assert sorted(sharded) == sorted(names + ["transformers Adafactor"]), sharded
+        for message in sharded.pop("transformers Adafactor"):  # refused by its name
+            assert message is not None and message.startswith(
+                "sharc: transformers.optimization.Adafactor (Adafactor) cannot train sharded "
+                "parameters"), message
         for name in names:
             for message in sharded[name]:
                 assert message is not None, name

@@ -329,4 +329,6 @@ def test_a_write_to_a_gathered_parameter_inside_forward_raises(how, mode, grad):
             assert "the compiled forward writes in place to a gathered parameter" in message, \
                 message
         assert "sharc.unsharded(model, writeback=True)" in message
+        if how == "embedding_max_norm":
+            assert "max_norm" in message, message  # named, with the out-of-place way
         assert torch.equal(weight, initial)
