@@ -61,6 +61,7 @@ void EagerScope::add_root(int64_t root, const std::vector<int64_t>& ids,
   for (int64_t id : ids) storages.push_back(storage_of(runtime_.padded_base(id)));
   std::lock_guard<std::mutex> lock(mutex_);
   roots_[root].tied.insert(tied.begin(), tied.end());
+  roots_[root].ungrouped.insert(tied.begin(), tied.end());
   for (size_t i = 0; i < ids.size(); ++i) by_storage_[storages[i]] = {root, ids[i]};
 }
 
@@ -72,6 +73,7 @@ int64_t EagerScope::add_unit(int64_t root, const std::vector<int64_t>& ids,
   Root& r = root_locked(root);
   Unit unit{ids, keep, {}};
   for (const at::Tensor& shard : shards) unit.shards.emplace_back(shard.getIntrusivePtr());
+  r.ungrouped.insert(ids.begin(), ids.end());
   r.units.push_back(std::move(unit));
   return static_cast<int64_t>(r.units.size()) - 1;
 }
@@ -110,7 +112,7 @@ bool EagerScope::exit(int64_t root) {
     const std::set<int64_t> kept =
         r.scopes.innermost_is_outermost() ? keep_saved_tied_locked(r) : std::set<int64_t>{};
     held = r.scopes.close();  // the scope's tensors go first: only outside references remain
-    r.companions.close_scope(held, ungrouped_locked(r));
+    r.companions.close_scope(held, r.ungrouped);
     held.erase(std::remove_if(held.begin(), held.end(),
                               [&](int64_t id) { return kept.count(id) > 0; }),
                held.end());
@@ -168,12 +170,6 @@ int64_t EagerScope::saved_param(int64_t root, const at::Tensor& saved) {
   Root& r = root_locked(root);
   if (r.tied.count(id) > 0 && r.scopes.is_open()) r.saved_tied.insert(id);
   return id;
-}
-
-std::set<int64_t> EagerScope::ungrouped_locked(const Root& r) const {
-  std::set<int64_t> ungrouped = r.tied;
-  for (const Unit& unit : r.units) ungrouped.insert(unit.ids.begin(), unit.ids.end());
-  return ungrouped;
 }
 
 // [Note: eager holds] (tied parameters kept for backward): every rank

@@ -129,6 +129,9 @@ class EagerScope {
     std::set<int64_t> kept_for_backward;
     BackwardHolds<at::Tensor> backward;
     BackwardCompanions companions;  ///< gathered together in backward
+    /// Never companions: tied parameters and gather-unit members (kept
+    /// here as they are added, not rebuilt at every scope's exit).
+    std::set<int64_t> ungrouped;
     bool saves_elsewhere = false;  ///< set at the outermost scope
     std::vector<Unit> units;
     std::vector<int64_t> units_in_backward;  ///< in the order backward reached them
@@ -172,9 +175,6 @@ class EagerScope {
   /// waits for it and adds it into its shards' grads.
   UnitReduction start_unit_reduction(const Unit& unit);
   void finish_unit_reduction(UnitReduction& reduction);
-  /// The parameters a closing scope of `r` may not group with others:
-  /// tied ones and gather-unit members.
-  std::set<int64_t> ungrouped_locked(const Root& r) const;
   /// The parameter got a fresh base buffer: key it by the new storage.
   void rekey_locked(int64_t root, int64_t id);
 
