@@ -118,6 +118,10 @@ TEST(BackwardCompanions, AParameterHeldInTwoScopesMergesTheirGroups) {
   for (int64_t id : {1, 2, 6}) EXPECT_EQ(companions.with(id), (Ids{1, 2, 6}));
   companions.close_scope({1, 2}, {});  // the next pass changes nothing
   EXPECT_EQ(companions.with(1), (Ids{1, 2, 6}));
+  companions.close_scope({8, 2}, {});  // a new parameter read before a grouped one
+  for (int64_t id : {1, 2, 6, 8}) EXPECT_EQ(companions.with(id), (Ids{1, 2, 6, 8}));
+  companions.close_scope({9}, {});  // alone: no group
+  EXPECT_EQ(companions.with(9), (Ids{9}));
 }
 
 }  // namespace

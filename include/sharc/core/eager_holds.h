@@ -61,6 +61,7 @@
 // (runtime/eager_scope.h) gathers and releases. Not thread-safe: the owner
 // locks.
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -151,6 +152,7 @@ class BackwardCompanions {
   /// A scope that held `held` closes: they form a group (merged with the
   /// groups they are already in). `outside`: never grouped.
   void close_scope(const std::vector<int64_t>& held, const std::set<int64_t>& outside) {
+    if (already_grouped(held, outside)) return;  // every pass after the first
     std::set<int64_t> group;
     for (int64_t id : held) {
       if (outside.count(id) > 0) continue;
@@ -169,6 +171,25 @@ class BackwardCompanions {
   }
 
  private:
+  /// Whether every grouped id of `held` is in one group already (this runs
+  /// at every module exit of every step: no allocation when nothing changes).
+  bool already_grouped(const std::vector<int64_t>& held,
+                       const std::set<int64_t>& outside) const {
+    const std::vector<int64_t>* group = nullptr;
+    size_t count = 0;
+    for (int64_t id : held) {
+      if (outside.count(id) > 0) continue;
+      if (++count > 1 && group == nullptr) return false;  // the first one had no group
+      if (group == nullptr) {
+        auto it = groups_.find(id);
+        if (it == groups_.end()) continue;  // ungrouped: fine only if it is the only one
+        group = &it->second;
+      }
+      if (!std::binary_search(group->begin(), group->end(), id)) return false;
+    }
+    return true;
+  }
+
   std::map<int64_t, std::vector<int64_t>> groups_;
 };
 
