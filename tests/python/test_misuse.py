@@ -414,6 +414,76 @@ def test_structure_changes_after_shard_are_refused_where_made():
             assert unchanged, case
 
 
+def _pruned_or_parametrized_after_shard(rank, world):
+    """Each case on a fresh sharded model: the error (type, message), and
+    whether the model is as it was and still trains on shards alone."""
+    import copy
+    import io
+
+    import sharc
+    from torch.nn.utils import parametrize, prune
+
+    def build(pruned=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        if pruned:
+            prune.l1_unstructured(model[0], "weight", 0.5)
+        sharc.shard(model)
+        return model
+
+    results = {}
+    cases = {
+        "pickle": (build, lambda m: torch.save(m, io.BytesIO())),
+        "prune": (build, lambda m: prune.l1_unstructured(m[0], "weight", 0.5)),
+        "parametrize": (build, lambda m: parametrize.register_parametrization(
+            m[0], "weight", torch.nn.Identity())),
+        "delete": (build, lambda m: delattr(m[0], "weight")),
+        "prune_remove": (lambda: build(pruned=True), lambda m: prune.remove(m[0], "weight")),
+        "shallow_copy": (build, lambda m: copy.copy(m)),
+    }
+    for case, (make, change) in cases.items():
+        model = make()
+        before = {k: v.clone() for k, v in sharc.full_state_dict(model).items()}
+        shards = list(model.parameters())
+        try:
+            change(model)
+            error = None
+        except (RuntimeError, TypeError) as e:
+            error = (type(e).__name__, str(e))
+        after = sharc.full_state_dict(model)
+        model(torch.ones(3, 8)).sum().backward()
+        unchanged = (after.keys() == before.keys()
+                     and all(torch.equal(after[k], before[k]) for k in before)
+                     and list(model.parameters()) == shards
+                     and all(p.grad is not None and p.grad.shape == p.shape for p in shards))
+        results[case] = error, unchanged
+    return results
+
+
+def test_pruning_parametrizing_and_pickling_after_shard_are_refused_unchanged():
+    """torch's pruning and parametrizations take a parameter over by reading
+    it and deleting it from the module: after shard() the read is a gathered
+    copy, and the deletion (or prune.remove's `.data` write) left the model
+    training a full copy apart on each rank, or a parametrization over
+    nothing, with a RecursionError. torch.save(model) failed in pickle's
+    class lookup. Each is refused where it is made, naming what to do
+    instead, and the model trains on as it was."""
+    for results in run_ranks(_pruned_or_parametrized_after_shard, 2, timeout=180):
+        expected = {
+            "pickle": ("TypeError", "cannot be pickled (torch.save(model), multiprocessing)"),
+            "prune": ("TypeError", "prune and parametrize before shard()"),
+            "parametrize": ("RuntimeError", "cannot delete the sharded parameter '0.weight'"),
+            "delete": ("RuntimeError", "cannot delete the sharded parameter '0.weight'"),
+            "prune_remove": ("RuntimeError", "Make pruning permanent before sharc.shard()"),
+        }
+        for case, (kind, fragment) in expected.items():
+            error, unchanged = results[case]
+            assert error is not None and error[0] == kind, (case, error)
+            assert error[1].startswith("sharc: ") and fragment in error[1], (case, error)
+            assert unchanged, case
+        assert results["shallow_copy"] == (None, True)
+
+
 # --------------------------------------------------- clip_grad_norm_()
 
 

@@ -130,6 +130,76 @@ def _deepcopy(module: torch.nn.Module, memo):
     refuse_deepcopy(module._sharc_original_class.__name__)
 
 
+def _refuse_pickling(module: torch.nn.Module, protocol):
+    """torch.save(model) and multiprocessing pickle a module whole; a sharded
+    one would be saved as this rank's shards under a class sharc made at
+    shard() (pickle cannot even find it by name)."""
+    raise TypeError(
+        f"sharc: a sharded module ({module._sharc_original_class.__name__}) cannot be "
+        "pickled (torch.save(model), multiprocessing): its parameters are this rank's "
+        "shards. Save the weights instead: torch.save(sharc.full_state_dict(model), path), "
+        "or sharc.save_checkpoint(path, model, optimizer) for a resumable checkpoint, and "
+        "build the model from its class to load them")
+
+
+def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """copy.copy would go through __reduce_ex__, refused above; a shallow
+    copy shares the shards and the runtime, as it shares any module's
+    parameters, so it stays what it was."""
+    copied = type(module).__new__(type(module))
+    copied.__dict__.update(module.__dict__)
+    return copied
+
+
+def _delattr(module: torch.nn.Module, name: str) -> None:
+    """[Note: structure under a shard]
+    Deleting a sharded name would drop the shard from `parameters()` while
+    the runtime still gathers, reduces and counts it. torch's
+    `register_parametrization` does exactly that after reading the
+    parameter (a gathered copy, outside forward), leaving a parametrization
+    over a copy no rank trains: refused here, before the module changes."""
+    refs = module.__dict__["_sharc"].refs
+    if name in refs:
+        raise RuntimeError(
+            f"sharc: cannot delete the sharded parameter '{refs[name].fqn}' after "
+            "sharc.shard() (torch.nn.utils.parametrize.register_parametrization and "
+            "torch.nn.utils.prune do so): register parametrizations and pruning before "
+            "shard(), or on a model loaded from sharc.full_state_dict(model)")
+    super(type(module), module).__delattr__(name)
+
+
+def _register_parameter(module: torch.nn.Module, name: str, param) -> None:
+    """torch refuses a plain tensor here too; this says where one usually
+    comes from on a sharded model. See [Note: structure under a shard]."""
+    if isinstance(param, torch.Tensor) and not isinstance(param, torch.nn.Parameter):
+        raise TypeError(
+            f"sharc: cannot register a plain tensor as the parameter '{name}' of a sharded "
+            f"{module._sharc_original_class.__name__} (torch.nn.Parameter or None "
+            "required). A sharded parameter read outside forward is a gathered copy, not a "
+            "parameter, so torch.nn.utils.prune and parametrize cannot take it over after "
+            "sharc.shard(): prune and parametrize before shard()")
+    super(type(module), module).register_parameter(name, param)
+
+
+def _refuse_prune_remove(module: torch.nn.Module) -> None:
+    """`prune.remove` on a module pruned before shard() would assign the
+    full masked weight to the shard's `.data`, replacing the shard the
+    runtime gathers: refused on each pruning hook, before anything changes.
+    See [Note: structure under a shard]."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    def refuse(owner):
+        raise RuntimeError(
+            f"sharc: cannot make pruning permanent (torch.nn.utils.prune.remove) on a "
+            f"sharded {module._sharc_original_class.__name__}: it would replace the shard "
+            "with the full masked weight. Make pruning permanent before sharc.shard(), or on a "
+            "model loaded from sharc.full_state_dict(model)")
+
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, BasePruningMethod):
+            hook.remove = refuse
+
+
 def _rnn_forward(module: torch.nn.RNNBase, *args, **kwargs):
     """[Note: a recurrent layer's weight list]
     nn.RNNBase (RNN, LSTM, GRU) hands its weights to its kernel as a list,
@@ -176,7 +246,11 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs["_sharc_original_class"] = cls
     attrs["_apply"] = _apply
     attrs["__deepcopy__"] = _deepcopy
+    attrs["__reduce_ex__"] = _refuse_pickling
+    attrs["__copy__"] = _shallow_copy
     attrs["__setattr__"] = _setattr
+    attrs["__delattr__"] = _delattr
+    attrs["register_parameter"] = _register_parameter
     attrs.update(_rnn_attributes(cls))
     # Under the original class's name: transformers' save_pretrained writes
     # type(model).__name__ into config.json's "architectures", which loaders
@@ -193,5 +267,6 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
     `state.refs`."""
     attach(module, state)
     module.__class__ = _sharded_class(type(module), tuple(sorted(state.refs)))
+    _refuse_prune_remove(module)
     if isinstance(module, torch.nn.RNNBase):
         _empty_flat_weights(module)  # it held the unsharded parameters
