@@ -11,8 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from sharc import (_added_after_shard, _mesh, _optimizer_support, _optimizer_writes,
-                   _torch_clip, _validate, mixed_precision)
+from sharc import (_added_after_shard, _held_gradients, _mesh, _optimizer_support,
+                   _optimizer_writes, _torch_clip, _validate, mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -117,6 +117,7 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
     refs_by_param = _register(runtime, group.group_name, named, dtypes, device)
     _install_optimizer_check()
     _optimizer_writes.install()  # [Note: shard writes a version counter misses]
+    _held_gradients.install()  # [Note: gradients held by no_sync]
     _torch_clip.install()  # [Note: torch's clipping on shards]
     for fqn, p in named:
         if fqn in kept:
@@ -195,6 +196,7 @@ def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
                     "no longer trains; create the optimizer after shard() from "
                     "model.parameters() (the shards)")
     _optimizer_support.check_step(optimizer)
+    _held_gradients.refuse_step_over_held(optimizer)  # [Note: gradients held by no_sync]
 
 
 @functools.cache

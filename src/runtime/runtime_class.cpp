@@ -51,6 +51,8 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("set_persistent", &sharc::Runtime::set_persistent)
       .def("is_persistent", &sharc::Runtime::is_persistent)
       .def("note_shards_written", &sharc::Runtime::note_shards_written)
+      .def("held_back", &sharc::Runtime::held_back)
+      .def("discard_held_back", &sharc::Runtime::discard_held_back)
       .def("persistent_params", &sharc::Runtime::persistent_params)
       .def("drop_unheld", &sharc::Runtime::drop_unheld)
       .def("begin_forward_graph", &sharc::Runtime::begin_forward_graph)

@@ -282,6 +282,76 @@ def test_accumulation_keeps_what_a_branch_held_when_the_last_micro_batch_skips_i
             torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
 
 
+def _discard_held(rank, world, mode, how, group=None):
+    """A micro-batch accumulated under no_sync, then discarded by
+    zero_grad() (as a loop that skips a micro-batch with a non-finite loss
+    does), then a synced backward: the step sees the last batch alone."""
+    import sharc
+
+    model, step = _sharded(mode, group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sharc.no_sync(model):
+        (step(*batch(0, rank, world)).pow(2).mean() * 100).backward()
+    held = sharc.memory_stats(group)["unreduced_grad_bytes"]
+    if how == "module":
+        model.zero_grad()
+    else:
+        opt.zero_grad(set_to_none=how == "optimizer")
+    after = sharc.memory_stats(group)["unreduced_grad_bytes"]
+    step(*batch(1, rank, world)).pow(2).mean().backward()
+    return _grads(model), held, after
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_grad_discards_what_no_sync_held(mode):
+    """Before: the held sums lived on in the runtime past zero_grad() and
+    were added into the next reduction (here 100 times the kept batch's
+    gradient), whichever zero_grad ran."""
+    runs = _cases_in_one_launch(_discard_held, mode, ("optimizer", "optimizer_zeros", "module"))
+    ref = make_net()
+    ref(torch.cat([batch(1, r, 2)[0] for r in range(2)])).pow(2).mean().backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for how, results in runs.items():
+        _check_grads([grads for grads, _, _ in results], want)
+        for _, held, after in results:
+            assert held > 0 and after == 0, (how, held, after)
+
+
+def _step_over_held(rank, world, mode, group=None):
+    import sharc
+
+    model, step = _sharded(mode, group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sharc.no_sync(model):
+        step(*batch(0, rank, world)).pow(2).mean().backward()
+    before = {k: v.clone() for k, v in sharc.full_state_dict(model).items()}
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    unchanged = all(torch.equal(v, before[k]) for k, v in sharc.full_state_dict(model).items())
+    step(*batch(1, rank, world)).pow(2).mean().backward()  # what was held is still there
+    return error, unchanged, _grads(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_while_no_sync_holds_gradients_is_refused(mode):
+    """Before: the step ran on zeros (the shards' .grad while held), changed
+    nothing but the optimizer's state, and the held sums went into the next
+    step, silently."""
+    results = run_ranks(_step_over_held, 2, mode)
+    ref = make_net()
+    for b in range(2):
+        ref(torch.cat([batch(b, r, 2)[0] for r in range(2)])).pow(2).mean().backward()
+    _check_grads([grads for _, _, grads in results], {n: p.grad for n, p in ref.named_parameters()})
+    for error, unchanged, _ in results:
+        assert error is not None and error.startswith("sharc: SGD.step() while sharc.no_sync() "
+                                                      "holds back the gradient of '"), error
+        assert "Run the last micro-batch's backward outside no_sync()" in error
+        assert unchanged
+
+
 # -- forwards without backward ------------------------------------------------------
 def _no_backward(rank, world, mode):
     import sharc

@@ -429,6 +429,12 @@ class Runtime : public torch::CustomClassHolder {
   /// buffer kept gathered from them is stale whatever their version
   /// counters say, and is gathered again at its next read.
   void note_shards_written(const std::vector<int64_t>& ids);
+  /// The names of those of `ids` whose gradients no_sync holds back (not
+  /// yet reduced into .grad); ids this runtime lacks are skipped. See
+  /// [Note: gradients held by no_sync].
+  std::vector<std::string> held_back(const std::vector<int64_t>& ids);
+  /// Drops what no_sync holds back for `ids` (zero_grad discards it).
+  void discard_held_back(const std::vector<int64_t>& ids);
   /// Every persistent parameter's id and full bytes in its gather dtype:
   /// what stays gathered whichever graph runs (the scheduler's budget
   /// counts them in every graph).

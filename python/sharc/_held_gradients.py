@@ -1,0 +1,82 @@
+"""zero_grad() and optimizer steps over gradients no_sync holds back.
+
+See [Note: gradients held by no_sync] (src/runtime/runtime_held_gradients.cpp):
+the sums live in the runtime while .grad reads zeros, so torch's zero_grad
+cannot reach them and an optimizer step cannot see them. `install()` wraps
+`torch.optim.Optimizer.zero_grad` and `torch.nn.Module.zero_grad` once per
+process (every subclass that does not override them): after torch's own
+reset, the shards among the parameters drop what was held. The step check
+runs in sharc's optimizer step pre-hook.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import torch
+
+from sharc._library import Runtime
+from sharc._optimizer_writes import SHARD_PID
+from sharc._torch_clip import SHARD_GROUP
+
+
+def _pids_by_group(params) -> dict[str, list[int]]:
+    by_group = collections.defaultdict(list)
+    for p in params:
+        pid = getattr(p, SHARD_PID, None)
+        if pid is not None:
+            by_group[getattr(p, SHARD_GROUP)].append(pid)
+    return by_group
+
+
+def _runtimes(params):
+    for group_name, pids in _pids_by_group(params).items():
+        try:
+            yield Runtime.for_group(group_name), pids
+        except RuntimeError:
+            continue  # the group is gone, and what it held with it
+
+
+def discard(params) -> None:
+    for runtime, pids in _runtimes(params):
+        runtime.discard_held_back(pids)
+
+
+def _optimizer_params(optimizer):
+    return (p for group in optimizer.param_groups for p in group["params"])
+
+
+def refuse_step_over_held(optimizer) -> None:
+    """Optimizer step pre-hook part: a step while no_sync holds gradients of
+    its shards would step on zeros and add the sums into the next step."""
+    for runtime, pids in _runtimes(_optimizer_params(optimizer)):
+        names = runtime.held_back(pids)
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise RuntimeError(
+                f"sharc: {type(optimizer).__name__}.step() while sharc.no_sync() holds back "
+                f"the gradient of '{names[0]}'{more}: no backward outside no_sync() has "
+                "reduced it, so the shards' .grad do not hold it yet. Run the last "
+                "micro-batch's backward outside no_sync(), or call zero_grad() to discard "
+                "what was accumulated")
+
+
+def _wrap(cls, params_of) -> None:
+    torch_zero_grad = cls.zero_grad
+    if getattr(torch_zero_grad, "_sharc_wraps", None) is not None:
+        return
+
+    @functools.wraps(torch_zero_grad)
+    def zero_grad(self, *args, **kwargs):
+        torch_zero_grad(self, *args, **kwargs)
+        discard(params_of(self))
+
+    zero_grad._sharc_wraps = torch_zero_grad
+    cls.zero_grad = zero_grad
+
+
+@functools.cache
+def install() -> None:
+    _wrap(torch.optim.Optimizer, _optimizer_params)
+    _wrap(torch.nn.Module, lambda module: module.parameters())
