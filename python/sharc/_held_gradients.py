@@ -67,6 +67,9 @@ def _wrap(cls, params_of) -> None:
     if getattr(torch_zero_grad, "_sharc_wraps", None) is not None:
         return
 
+    # Never traced: the runtime is not a graph's to call (torch keeps
+    # Optimizer.zero_grad out of Dynamo too).
+    @torch.compiler.disable
     @functools.wraps(torch_zero_grad)
     def zero_grad(self, *args, **kwargs):
         torch_zero_grad(self, *args, **kwargs)
