@@ -352,6 +352,53 @@ def test_a_step_while_no_sync_holds_gradients_is_refused(mode):
         assert unchanged
 
 
+# -- what code set on a parameter ----------------------------------------------------
+def _tagged_net():
+    """Biases marked as Mamba marks its A_log and D (`_no_weight_decay`),
+    the mark an optimizer's groups are built from."""
+    net = make_net()
+    for name, p in net.named_parameters():
+        if name.endswith("bias"):
+            p._no_weight_decay = True
+    return net
+
+
+def _decay_groups(model):
+    params = list(model.parameters())
+    return torch.optim.AdamW([
+        {"params": [p for p in params if not getattr(p, "_no_weight_decay", False)]},
+        {"params": [p for p in params if getattr(p, "_no_weight_decay", False)],
+         "weight_decay": 0.0}], lr=0.05, weight_decay=0.5)
+
+
+def _train_tagged(rank, world):
+    import sharc
+
+    model = _tagged_net()
+    sharc.shard(model)
+    opt = _decay_groups(model)
+    for it in range(2):
+        model(*batch(it, rank, world)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [len(g["params"]) for g in opt.param_groups], sharc.full_state_dict(model)
+
+
+def test_attributes_set_on_a_parameter_go_on_to_its_shard():
+    """Before: the shards had none of them, so every bias landed in the
+    decayed group and trained to other values, silently."""
+    ref = _tagged_net()
+    opt = _decay_groups(ref)
+    for it in range(2):
+        ref(torch.cat([batch(it, r, 2)[0] for r in range(2)])).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for sizes, params in run_ranks(_train_tagged, 2):
+        assert sizes == [3, 3]
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
+
+
 # -- forwards without backward ------------------------------------------------------
 def _no_backward(rank, world, mode):
     import sharc
