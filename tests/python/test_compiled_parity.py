@@ -267,3 +267,26 @@ def test_local_gradient_terms_of_some_parameters_waited_in_graph():
     """Only some parameters penalized (others in the same bucket reduced
     alone), through autograd.grad, so every wait stays in the graph."""
     _check_penalized(("fc1.bias", "fc2.weight"), use_autograd_grad=True)
+
+
+def _penalized_bf16_grads(rank, world, compiled):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Penalized()
+    mp = sharc.MixedPrecision(param_dtype=torch.bfloat16)
+    sharc.shard(model, config=sharc.ShardConfig(mixed_precision=mp))
+    step_fn = torch.compile(model, backend="sharc") if compiled else model
+    step_fn(_penalty_input(0, rank)).float().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_local_gradient_terms_under_mixed_precision_match_eager():
+    """bf16 compute and reduction, fp32 shards: the penalty's local terms are
+    fp32, added to the reduced gradient as eager adds them."""
+    compiled = run_ranks(_penalized_bf16_grads, 2, True, timeout=300)
+    eager = run_ranks(_penalized_bf16_grads, 2, False)
+    for rank in range(2):
+        for name, want in eager[rank].items():
+            torch.testing.assert_close(compiled[rank][name], want, rtol=1e-2, atol=1e-3,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
