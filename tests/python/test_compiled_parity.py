@@ -164,3 +164,129 @@ def test_gradients_through_index_puts_fused_with_a_gathered_weights_term():
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], shard_of(p.grad, rank, 2), rtol=1e-4,
                                        atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class _Penalized(torch.nn.Module):
+    """A layer read twice (two gathers of one weight) and an L2 penalty over
+    `self.parameters()` inside forward: under sharc those are the flat
+    shards, so each penalized shard's gradient is the reduced gradient plus
+    a local term ([Note: local gradient terms])."""
+
+    def __init__(self, penalized=None):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 4)
+        self.fc2 = torch.nn.Linear(4, 3)
+        self.penalized = penalized  # parameter names; None: all of them
+
+    def forward(self, x):
+        loss = self.fc2(torch.tanh(self.fc1(torch.tanh(self.fc1(x))))).pow(2).mean()
+        params = [p for n, p in self.named_parameters()
+                  if self.penalized is None or n in self.penalized]
+        loss = loss + 1e-2 * sum(p.pow(2).sum() for p in params)
+        if self.penalized is None:  # a second local term of one parameter
+            loss = loss + 1e-1 * self.fc1.weight.sum()
+        return loss
+
+
+_PENALTY_STEPS = 3
+
+
+def _penalty_input(step, rank):
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _penalized_training(rank, world, penalized, compiled, use_autograd_grad):
+    """First-step shard gradients and the weights after SGD steps; with
+    `use_autograd_grad` the backward graph waits its reductions itself (no
+    late waits: the gradients are its outputs)."""
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Penalized(penalized)
+    sharc.shard(model)
+    step_fn = torch.compile(model, backend="sharc") if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    first_grads = None
+    for step in range(_PENALTY_STEPS):
+        loss = step_fn(_penalty_input(step, rank))
+        if use_autograd_grad:
+            params = list(model.parameters())
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g
+        else:
+            loss.backward()
+        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return first_grads, sharc.full_state_dict(model), sharc.memory_stats()["late_reductions"]
+
+
+def _penalized_reference(penalized, world):
+    torch.manual_seed(0)
+    model = _Penalized(penalized)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    first_grads = None
+    for step in range(_PENALTY_STEPS):
+        # Each rank's penalty is its shards' share, so sharded training
+        # counts the whole penalty once, as this mean over the ranks does.
+        (sum(model(_penalty_input(step, r)) for r in range(world)) / world).backward()
+        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return first_grads, dict(model.state_dict())
+
+
+def _check_penalized(penalized, use_autograd_grad):
+    from models import shard_of
+
+    ref_grads, ref_state = _penalized_reference(penalized, 2)
+    for compiled in (True, False):
+        mode = "compiled" if compiled else "eager"
+        results = run_ranks(_penalized_training, 2, penalized, compiled, use_autograd_grad,
+                            timeout=300)
+        for rank, (grads, state, late) in enumerate(results):
+            for name, want in ref_grads.items():
+                torch.testing.assert_close(
+                    grads[name], shard_of(want, rank, 2), rtol=1e-5, atol=1e-6,
+                    msg=lambda m, name=name: f"{mode} rank {rank} {name} grad: {m}")
+                torch.testing.assert_close(
+                    state[name], ref_state[name], rtol=1e-5, atol=1e-6,
+                    msg=lambda m, name=name: f"{mode} rank {rank} {name} after SGD: {m}")
+            if compiled and not use_autograd_grad:
+                assert late > 0, "the reductions were meant to be waited after the graph"
+
+
+def test_local_gradient_terms_with_late_reduction_waits_match_single_process():
+    """An L2 penalty over every shard inside forward, a second local term on
+    one weight read by two gathers: sharc's backend refused it as "combined
+    with something other than additions"."""
+    _check_penalized(None, use_autograd_grad=False)
+
+
+def test_local_gradient_terms_of_some_parameters_waited_in_graph():
+    """Only some parameters penalized (others in the same bucket reduced
+    alone), through autograd.grad, so every wait stays in the graph."""
+    _check_penalized(("fc1.bias", "fc2.weight"), use_autograd_grad=True)
+
+
+def _penalized_bf16_grads(rank, world, compiled):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _Penalized()
+    mp = sharc.MixedPrecision(param_dtype=torch.bfloat16)
+    sharc.shard(model, config=sharc.ShardConfig(mixed_precision=mp))
+    step_fn = torch.compile(model, backend="sharc") if compiled else model
+    step_fn(_penalty_input(0, rank)).float().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_local_gradient_terms_under_mixed_precision_match_eager():
+    """bf16 compute and reduction, fp32 shards: the penalty's local terms are
+    fp32, added to the reduced gradient as eager adds them."""
+    compiled = run_ranks(_penalized_bf16_grads, 2, True, timeout=300)
+    eager = run_ranks(_penalized_bf16_grads, 2, False)
+    for rank in range(2):
+        for name, want in eager[rank].items():
+            torch.testing.assert_close(compiled[rank][name], want, rtol=1e-2, atol=1e-3,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")

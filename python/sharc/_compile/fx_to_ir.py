@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from sharc._compile.errors import SharcCompileError
+from sharc._compile.merge_gradients import is_local_add
 from sharc._compile.ops import (ALL_GATHER, REDUCE_SCATTER, cast_dtype, dtype_name, is_call,
                                 is_exit_cast, is_view, param_key)
 from sharc._compile.sizes import SizeSymbols, static_bytes
@@ -37,6 +38,8 @@ class ParamSlot:
     casts: list[fx.Node] = field(default_factory=list)  # of a gather's output, directly
     reductions: list[fx.Node] = field(default_factory=list)
     exit_casts: list[fx.Node] = field(default_factory=list)  # of the reductions' results
+    # reduction + local terms ([Note: local gradient terms]), outside the IR
+    local_adds: list[fx.Node] = field(default_factory=list)
 
 
 @dataclass
@@ -97,7 +100,9 @@ class _Lowering:
                 slot = self._slot(node, static_bytes(node.args[0]))
                 slot.reductions.append(node)
                 slot.exit_casts += [u for u in node.users if is_exit_cast(u)]
-                if any(u.op != "output" and not is_exit_cast(u) for u in node.users):
+                slot.local_adds += [u for u in node.users if is_local_add(u)]
+                if any(u.op != "output" and not is_exit_cast(u) and not is_local_add(u)
+                       for u in node.users):
                     raise SharcCompileError(
                         f"sharc: reduced gradient '{node.name}' is read inside the graph; "
                         "this is a sharc bug, please report it with the model")
@@ -140,7 +145,8 @@ class _Lowering:
             return [f"%{node.name} = input {self.sizes.size_of(node).ir()}"]
         if node.op == "output":
             return [self._lower_output(node)]
-        if is_call(node, ALL_GATHER) or self._is_folded_getitem(node) or self._is_exit_cast(node):
+        if (is_call(node, ALL_GATHER) or self._is_folded_getitem(node) or
+                self._is_exit_cast(node) or is_local_add(node)):
             return []
         if is_call(node, REDUCE_SCATTER):
             return [self._lower_reduction(node)]
@@ -189,12 +195,16 @@ class _Lowering:
         for value in node.all_input_nodes:
             if is_call(value, REDUCE_SCATTER) or self._is_exit_cast(value):
                 continue  # shard gradients leave through their bucket
+            if is_local_add(value):
+                # The reduced part leaves through its bucket; the local terms'
+                # sum must live until ir_to_fx adds it after the wait.
+                value = value.args[1]
             if is_call(value, ALL_GATHER) or value in self.aliases:
                 raise SharcCompileError(
                     f"sharc: graph output '{value.name}' is a gathered parameter; the "
                     "partitioner was told to recompute gathers, so this is a sharc bug")
             operands.append(f"%{value.name}")
-        return " ".join(["output", *operands])
+        return " ".join(["output", *dict.fromkeys(operands)])
 
 
 def lower(graph: fx.Graph, costs: dict[fx.Node, float] | None = None,

@@ -5,6 +5,10 @@ A `wait_gather` output is an alias of a runtime buffer whose storage
 passed to a later kernel's output (buffer reuse); for a released gathered
 buffer that would write into freed storage. The lowering runs the op as the
 usual fallback kernel and marks its outputs never to be reused.
+`wait_reduce_scatter`'s outputs are marked likewise: where the wait is left
+behind the graph they are zeros the runtime recognises by their storage, and
+a gradient's local terms added in place into them would be overwritten by
+the late delivery ([Note: local gradient terms] in merge_gradients.py).
 
 It also repairs a scheduler bug of the Inductor versions sharc supports
 (fixed upstream by pytorch/pytorch#185873, issue #185509); see
@@ -20,7 +24,7 @@ from torch._inductor import lowering
 from torch._inductor import scheduler
 from torch._inductor.virtualized import V
 
-from sharc._compile.ops import WAIT_GATHER
+from sharc._compile.ops import WAIT_GATHER, WAIT_REDUCE_SCATTER
 
 
 def _keep_mutation_renames() -> None:
@@ -56,10 +60,16 @@ def _keep_mutation_renames() -> None:
 @functools.cache
 def register() -> None:
     _keep_mutation_renames()
-    fallback = lowering.fallback_handler(WAIT_GATHER, add_to_fallback_set=False)
+    for op in (WAIT_GATHER, WAIT_REDUCE_SCATTER):
+        _register_never_reused(op)
 
-    @lowering.register_lowering(WAIT_GATHER, type_promotion_kind=None)
-    def _wait_gather(*args, **kwargs):
+
+def _register_never_reused(op) -> None:
+    """Lowers `op` as its fallback kernel, its outputs never reused."""
+    fallback = lowering.fallback_handler(op, add_to_fallback_set=False)
+
+    @lowering.register_lowering(op, type_promotion_kind=None)
+    def _never_reused(*args, **kwargs):
         outputs = fallback(*args, **kwargs)
         for out in torch.utils._pytree.tree_leaves(outputs):
             V.graph.never_reuse_buffers.add(out.get_name())

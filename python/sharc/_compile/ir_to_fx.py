@@ -47,9 +47,17 @@ class _Rebuild:
                 self._bind(node, self.graph.node_copy(node))
         for kind, outputs, operands, params in nodes:
             getattr(self, f"_{kind}")(outputs, operands, params)
+        self._add_local_terms()
         output = self.original.output_node()
         self.graph.node_copy(output, lambda n: self.env[n])
         return self.graph
+
+    def _add_local_terms(self) -> None:
+        """Each reduced gradient plus its parameter's local terms, after every
+        wait ([Note: local gradient terms] in merge_gradients.py)."""
+        for slot in self.lowered.slots.values():
+            for add in slot.local_adds:
+                self.env[add] = self.graph.node_copy(add, lambda n: self.env[n])
 
     def _bind(self, original: fx.Node, new: fx.Node) -> None:
         self.env[original] = new
