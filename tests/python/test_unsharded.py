@@ -323,6 +323,22 @@ def test_gradient_access_on_a_copy_read_outside_forward_raises():
         assert errors["shard_grad"]
 
 
+def _copy_to_compiled_function(rank, world):
+    import sharc
+
+    model = _model()
+    model(torch.ones(2, 5)).sum().backward()
+    logged = torch.compile(lambda t: t.abs().sum(), backend="eager")(model[2].weight)
+    return torch.allclose(logged, sharc.full_state_dict(model)["2.weight"].abs().sum())
+
+
+def test_a_copy_read_outside_forward_can_be_handed_to_a_compiled_function():
+    """Dynamo follows the copy's `_base` (once an endless chain of copies: a
+    RecursionError) and reads its `.grad` making its fake tensor (None for
+    torch's tracing, though a user's read raises)."""
+    assert run_ranks(_copy_to_compiled_function, 2, timeout=120) == [True, True]
+
+
 def test_writeback_must_be_a_bool():
     import sharc
 

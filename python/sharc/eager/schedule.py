@@ -188,6 +188,16 @@ def _attribute_of(func) -> str:
     return getattr(getattr(func, "__self__", None), "__name__", "")
 
 
+def _reads_base(func, name: str) -> bool:
+    """`w._base`. The copy is itself a view (of the gathered tensor it was
+    made from), so its base, made a copy in turn, would be another view of
+    it, without end: Dynamo and torch.export follow `_base` until it is
+    None, and a copy handed to a compiled function ran into a RecursionError.
+    The base is left a plain tensor (`_base` is private: writes through it
+    go unseen, as through a NumPy array of the copy)."""
+    return name == "__get__" and _attribute_of(func) == "_base"
+
+
 def _gradient_access(func, name: str) -> str | None:
     """The key of `_GRADIENT_ACCESSES` that `func` is, or None.
 
@@ -291,7 +301,7 @@ class OutsideForwardCopy(torch.Tensor):
             raise _copy_write_refused(target, name)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        if isinstance(target, cls):
+        if isinstance(target, cls) and not _reads_base(func, name):
             return _views_as_copies(out, target)
         return out
 
