@@ -100,6 +100,8 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
         device = None
     named = list(module.named_parameters())  # unique parameters, canonical names
     _validate.check_param_dtypes(named)
+    _validate.check_no_tensor_hooks(named)
+    _validate.check_no_kept_references(module, named)
     if dist.get_world_size(group) > 1:
         _validate.check_replicas(named, group, config.verify_replicas)
     if groups.replicate is not None and dist.get_world_size(groups.replicate) > 1:

@@ -119,6 +119,87 @@ def check_param_dtypes(named_params) -> None:
                 "torch.view_as_complex(self.<name>) in forward")
 
 
+def check_no_tensor_hooks(named_params) -> None:
+    """Gradient hooks on a parameter (`register_hook`,
+    `register_post_accumulate_grad_hook`) belong to that Parameter object,
+    which shard() replaces by its flat shard: they would silently never run
+    again. Refused, so the user registers them on the shards instead."""
+    for fqn, p in named_params:
+        kinds = [how for how, hooks in (("register_hook", p._backward_hooks),
+                                         ("register_post_accumulate_grad_hook",
+                                          p._post_accumulate_grad_hooks)) if hooks]
+        if kinds:
+            raise RuntimeError(
+                f"sharc: parameter '{fqn}' has gradient hooks ({' and '.join(kinds)}), "
+                "registered before sharc.shard(); shard() replaces every parameter with its "
+                "flat shard, so they would never be called. Register them on the shards after "
+                "shard(): `for name, p in model.named_parameters(): p.register_hook(...)` (a "
+                "hook there sees this rank's flat shard of the averaged gradient, not the "
+                "full gradient)")
+
+
+# torch's own entries in every module's __dict__ (hooks, flags, the
+# registries): none holds a reference the user made.
+_MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module()))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_CONTAINER_DEPTH = 4  # [Note: a parameter kept apart from its module]
+
+
+def check_no_kept_references(module: torch.nn.Module, named_params) -> None:
+    """[Note: a parameter kept apart from its module]
+    shard() swaps each parameter for its shard in the module that registers
+    it, the only place it knows of. A reference kept elsewhere in a plain
+    container (`self.ext = [self.a.weight]`, DeepSpeed's "external
+    parameter" pattern) would still be the original full Parameter
+    afterwards: forward would read and train it apart on each rank, its
+    gradient never reduced nor stepped, silently. So shard() looks through
+    every module attribute that is a list, tuple, dict or set (nested ones
+    too, a few levels deep: deeper structures are rare and the walk must
+    stay cheap on large attributes) and refuses one holding a parameter it
+    shards. A reference to the module (`self.ext = [self.a]`) reads
+    `self.ext[0].weight` through sharc and is fine. Lists sharc keeps in
+    step itself (a recurrent layer's `_flat_weights`, see
+    full_param_access.kept_in_step_by_sharc) are left alone."""
+    from sharc.eager.full_param_access import kept_in_step_by_sharc
+
+    sharded = {id(p): fqn for fqn, p in named_params}
+    for path, sub in module.named_modules():
+        for attribute, value in vars(sub).items():
+            if attribute in _MODULE_BOOKKEEPING or kept_in_step_by_sharc(sub, attribute):
+                continue
+            fqn = _parameter_in(value, sharded, _CONTAINER_DEPTH)
+            if fqn is not None:
+                _refuse_kept_reference(path, sub, attribute, value, fqn)
+
+
+def _parameter_in(value, sharded: dict[int, str], depth: int) -> str | None:
+    """The name of a sharded parameter `value` is or holds within `depth`
+    levels of containers (dicts: keys and values), else None."""
+    if isinstance(value, torch.nn.Parameter):
+        return sharded.get(id(value))
+    if depth == 0 or not isinstance(value, _CONTAINERS):
+        return None
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    for item in items:
+        fqn = _parameter_in(item, sharded, depth - 1)
+        if fqn is not None:
+            return fqn
+    return None
+
+
+def _refuse_kept_reference(path: str, sub, attribute: str, value, fqn: str) -> None:
+    where = f"module '{path}' ({type(sub).__name__})" if path else \
+        f"the root module ({type(sub).__name__})"
+    raise RuntimeError(
+        f"sharc: {where} keeps the parameter '{fqn}' in its attribute '{attribute}' (a "
+        f"{type(value).__name__}), apart from the module that registers it. shard() replaces "
+        "each parameter with its flat shard in its module only, so this reference would stay "
+        "the original full parameter, and forward would read and train it apart on each rank "
+        "(its gradient never reduced nor stepped). Keep a reference to the module instead "
+        "(e.g. `[self.a]` rather than `[self.a.weight]`) and read the parameter through it "
+        "in forward (`self.ext[0].weight`)")
+
+
 def _signature(named_params, checksum: bool) -> list[tuple]:
     sig = []
     for fqn, p in named_params:

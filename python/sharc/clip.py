@@ -55,8 +55,12 @@ def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor] | torch
     group = _group_for(parameters, group)
     params = _parameter_list(parameters)
     max_norm, p = _check_norm_args(max_norm, norm_type)
-    grads = [t.grad for t in params if t.grad is not None]
-    total = global_norm(grads, p, group, _shard_problem(params, group), error_if_nonfinite)
+    problem = _shard_problem(params, group)
+    # Where some are no shards the collective only spreads the error, and a
+    # copy read outside forward (`[model.fc.weight]`) refuses a read of its
+    # `.grad` ([Note: a copy has no gradient of training's]): none is read.
+    grads = [] if problem else [t.grad for t in params if t.grad is not None]
+    total = global_norm(grads, p, group, problem, error_if_nonfinite)
     coef = max_norm / (total + 1e-6)
     if not coef >= 1.0:  # a NaN norm makes every gradient NaN, as in torch
         with torch.no_grad():

@@ -54,6 +54,96 @@ def test_shard_twice_wrong_device_and_a_complex_parameter():
         assert "torch.view_as_complex" in errors["complex"]
 
 
+class _KeepsReferences(torch.nn.Module):
+    """A weight kept apart from its module in a plain container (`where`:
+    on the root, nested in a submodule's dict, or a module reference,
+    which is fine), beside a recurrent layer (whose own weight list sharc
+    refills itself) that must not be refused."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.rnn = torch.nn.GRU(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        if where == "list":
+            self.ext = [self.a.weight]
+        elif where == "nested":
+            self.b.cache = {"tied": (self.a.weight, 1.0)}
+        elif where == "module":
+            self.ext = [self.a]
+
+    def forward(self, x):
+        h, _ = self.rnn(self.a(x))
+        other = self.ext[0] if hasattr(self, "ext") else self.a.weight
+        weight = other.weight if isinstance(other, torch.nn.Module) else other
+        return self.b(h) + torch.nn.functional.linear(x, weight)
+
+
+def _gradient_hooks_and_kept_references(rank, world):
+    import sharc
+
+    outcomes = {}
+
+    def attempt(name, model):
+        before = dict(model.named_parameters())
+        try:
+            sharc.shard(model)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        # Refused before anything changed: the same Parameters, nothing sharded.
+        untouched = all(p is before[n] and type(p) is torch.nn.Parameter
+                        for n, p in model.named_parameters())
+        outcomes[name] = (error, untouched)
+
+    clamp = lambda g: g.clamp(-0.01, 0.01)  # noqa: E731
+    hooked = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    handle = hooked[0].weight.register_hook(clamp)
+    attempt("register_hook", hooked)
+    handle.remove()
+    attempt("hook_removed", hooked)  # shards once the hook is gone
+    later = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    later[0].bias.register_post_accumulate_grad_hook(lambda p: p.grad.zero_())
+    attempt("post_accumulate", later)
+    for where in ("list", "nested", "module"):
+        torch.manual_seed(0)
+        model = _KeepsReferences(where)
+        attempt(where, model)
+    model(torch.ones(2, 4)).sum().backward()  # through the module reference: the shard's
+    outcomes["reference_trains"] = dict(model.named_parameters())["a.weight"].grad is not None
+    return outcomes
+
+
+def test_gradient_hooks_and_parameters_kept_apart_are_refused_by_shard():
+    """Both would be silently lost when shard() swaps the parameters for
+    their shards: a hook on the old Parameter never runs, a container
+    keeping it makes forward train the old full Parameter apart on each
+    rank. Refused before the model changes, naming the parameter."""
+    for outcomes in run_ranks(_gradient_hooks_and_kept_references, 2, timeout=120):
+        error, untouched = outcomes["register_hook"]
+        assert error.startswith("sharc: parameter '0.weight' has gradient hooks "
+                                "(register_hook), registered before sharc.shard()"), error
+        assert "model.named_parameters()" in error
+        assert "this rank's flat shard of the averaged gradient" in error
+        assert untouched
+        assert outcomes["hook_removed"] == (None, False)  # sharded now
+        error, untouched = outcomes["post_accumulate"]
+        assert "parameter '0.bias' has gradient hooks (register_post_accumulate_grad_hook)" \
+            in error, error
+        assert untouched
+        error, untouched = outcomes["list"]
+        assert error.startswith("sharc: the root module (_KeepsReferences) keeps the "
+                                "parameter 'a.weight' in its attribute 'ext' (a list)"), error
+        assert "Keep a reference to the module instead" in error
+        assert untouched
+        error, untouched = outcomes["nested"]
+        assert error.startswith("sharc: module 'b' (Linear) keeps the parameter 'a.weight' "
+                                "in its attribute 'cache' (a dict)"), error
+        assert untouched
+        assert outcomes["module"] == (None, False)  # a module reference, and the GRU: fine
+        assert outcomes["reference_trains"]
+
+
 def _mismatched(rank, world):
     import sharc
 

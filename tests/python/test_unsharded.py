@@ -271,6 +271,74 @@ def test_lost_or_diverging_writes_raise():
         assert errors["unchanged"]  # nothing written back
 
 
+def _gradient_on_the_copy(rank, world):
+    import sharc
+
+    model = _model()
+    model(torch.ones(2, 5) * (rank + 1)).sum().backward()
+    errors = {}
+    accesses = {
+        "register_hook": lambda w: w.register_hook(lambda g: g * 0),
+        "post_accumulate": lambda w: w.register_post_accumulate_grad_hook(lambda p: None),
+        "retain_grad": lambda w: w.retain_grad(),
+        "grad=": lambda w: setattr(w, "grad", torch.zeros(3, 7)),
+        "grad": lambda w: w.grad.norm(),
+        "detach.grad": lambda w: w.detach().grad,  # a view of the copy is one too
+        # torch's own clipping reads `.grad` of what it is given: it found
+        # None and silently clipped nothing
+        "torch_clip": lambda w: torch.nn.utils.clip_grad_norm_([w], 1.0),
+    }
+    for name, access in accesses.items():
+        try:
+            access(model[2].weight)
+            errors[name] = "no error"
+        except RuntimeError as e:
+            errors[name] = str(e)
+    shard = dict(model.named_parameters())["2.weight"]
+    errors["shard_grad"] = shard.grad is not None and shard.grad.shape == shard.shape
+    return errors
+
+
+def test_gradient_access_on_a_copy_read_outside_forward_raises():
+    """A hook, retain_grad() or `.grad` on the copy `model.fc.weight` gives
+    outside forward would silently see nothing of training's gradient,
+    which lives on the shard: each raises, naming the shard."""
+    for errors in run_ranks(_gradient_on_the_copy, 2, timeout=120):
+        effects = {"register_hook": "a hook registered on it would see only gradients that "
+                                    "flow through this copy, never the model's",
+                   "post_accumulate": "a hook registered on it would never be called",
+                   "retain_grad": "retain_grad() on it would keep only gradients",
+                   "grad=": "assigning its `.grad` would set a gradient no optimizer sees",
+                   "grad": "its `.grad` is None whatever backward computed",
+                   "detach.grad": "its `.grad` is None whatever backward computed",
+                   "torch_clip": "its `.grad` is None whatever backward computed"}
+        for name, effect in effects.items():
+            error = errors[name]
+            assert error.startswith("sharc: '2.weight' read outside forward is a copy of the "
+                                    "sharded parameter"), (name, error)
+            assert effect in error, (name, error)
+            assert "`dict(model.named_parameters())['2.weight'].grad` is this rank's flat " \
+                "shard of the averaged gradient" in error, (name, error)
+            assert "sharc.clip_grad_norm_(model, max_norm)" in error
+        assert errors["shard_grad"]
+
+
+def _copy_to_compiled_function(rank, world):
+    import sharc
+
+    model = _model()
+    model(torch.ones(2, 5)).sum().backward()
+    logged = torch.compile(lambda t: t.abs().sum(), backend="eager")(model[2].weight)
+    return torch.allclose(logged, sharc.full_state_dict(model)["2.weight"].abs().sum())
+
+
+def test_a_copy_read_outside_forward_can_be_handed_to_a_compiled_function():
+    """Dynamo follows the copy's `_base` (once an endless chain of copies: a
+    RecursionError) and reads its `.grad` making its fake tensor (None for
+    torch's tracing, though a user's read raises)."""
+    assert run_ranks(_copy_to_compiled_function, 2, timeout=120) == [True, True]
+
+
 def test_writeback_must_be_a_bool():
     import sharc
 

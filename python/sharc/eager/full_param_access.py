@@ -225,6 +225,15 @@ def _empty_flat_weights(module: torch.nn.RNNBase) -> None:
     module._flat_weight_refs = [None] * count
 
 
+def kept_in_step_by_sharc(module: torch.nn.Module, attribute: str) -> bool:
+    """Whether `module.<attribute>`, a container of the module's own
+    parameters, is one sharc refills itself on the sharded module, so
+    shard() need not refuse it ([Note: a parameter kept apart from its
+    module] in _validate.py): a recurrent layer's weight list, see
+    [Note: a recurrent layer's weight list]."""
+    return isinstance(module, torch.nn.RNNBase) and attribute == "_flat_weights"
+
+
 def _rnn_attributes(cls: type) -> dict:
     """See [Note: a recurrent layer's weight list]."""
     if not issubclass(cls, torch.nn.RNNBase):

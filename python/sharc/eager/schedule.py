@@ -162,14 +162,78 @@ def _saved_copy(t: torch.Tensor) -> _SavedCopy | None:
 _WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                      "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
                      "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
-_HARMLESS = frozenset({"retain_grad", "share_memory_"})
+_HARMLESS = frozenset({"share_memory_"})
+# What each gradient access on an OutsideForwardCopy would do there, by name
+# ([Note: a copy has no gradient of training's]).
+_GRADIENT_ACCESSES = {
+    "register_hook": ("a hook registered on it", "would see only gradients that flow "
+                      "through this copy, never the model's"),
+    "register_post_accumulate_grad_hook": ("a hook registered on it", "would never be called "
+                                           "(the copy is no leaf: nothing accumulates there)"),
+    "retain_grad": ("retain_grad() on it", "would keep only gradients that flow through this "
+                    "copy, never the model's"),
+    "grad.__set__": ("assigning its `.grad`", "would set a gradient no optimizer sees"),
+    "grad.__get__": ("its `.grad`", "is None whatever backward computed"),
+}
 
 
 def _sets_attribute(func, name: str, attribute: str) -> bool:
     """Whether `func` is the setter of the tensor attribute `attribute`
     (`w.<attribute> = ...` reaches __torch_function__ as its `__set__`)."""
-    owner = getattr(func, "__self__", None)
-    return name == "__set__" and getattr(owner, "__name__", "") == attribute
+    return name == "__set__" and _attribute_of(func) == attribute
+
+
+def _attribute_of(func) -> str:
+    """The tensor attribute whose getter or setter `func` is, or ''."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
+
+
+def _reads_base(func, name: str) -> bool:
+    """`w._base`. The copy is itself a view (of the gathered tensor it was
+    made from), so its base, made a copy in turn, would be another view of
+    it, without end: Dynamo and torch.export follow `_base` until it is
+    None, and a copy handed to a compiled function ran into a RecursionError.
+    The base is left a plain tensor (`_base` is private: writes through it
+    go unseen, as through a NumPy array of the copy)."""
+    return name == "__get__" and _attribute_of(func) == "_base"
+
+
+def _gradient_access(func, name: str) -> str | None:
+    """The key of `_GRADIENT_ACCESSES` that `func` is, or None.
+
+    A read of `.grad` while torch traces is torch's own, not the user's:
+    Dynamo and torch.export read `.grad` of every tensor they make a fake
+    tensor of (a copy handed to a compiled function), and must see None
+    there, as for any tensor that is no leaf."""
+    if name in ("__get__", "__set__") and _attribute_of(func) == "grad":
+        tracing = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+        return None if name == "__get__" and tracing else f"grad.{name}"
+    return name if name in _GRADIENT_ACCESSES else None
+
+
+def _gradient_access_refused(copy: "OutsideForwardCopy", access: str) -> RuntimeError:
+    """[Note: a copy has no gradient of training's]
+    The copy is a tensor of its own, gathered for one read. Forward reads
+    the parameter anew, so backward reaches the copy only through what the
+    user computed from it (a penalty on `model.fc.weight`), and the model's
+    gradient lands in the shard's `.grad` (reduce-scattered, averaged). A
+    hook, retain_grad() or an assigned `.grad` on the copy would silently
+    miss that gradient, so each raises, naming where it is. A read of
+    `.grad` raises too, rather than give None: `model.fc.weight.grad.norm()`
+    would fail far from the cause, and torch.nn.utils.clip_grad_norm_ given
+    copies would clip nothing, silently. Nothing in torch or transformers
+    reads `.grad` of a module's attribute outside forward (optimizers,
+    clipping and trainers go through `parameters()`, the shards), except
+    torch's tracing, which is let through (see _gradient_access)."""
+    what, effect = _GRADIENT_ACCESSES[access]
+    fqn = copy.sharc_fqn
+    return RuntimeError(
+        f"sharc: '{fqn}' read outside forward is a copy of the sharded parameter, gathered "
+        f"for this read, apart from what forward and backward use; {what} {effect}. The "
+        "gradient lives on the shard the optimizer holds: "
+        f"`dict(model.named_parameters())['{fqn}'].grad` is this rank's flat shard of the "
+        "averaged gradient (register gradient hooks on that shard), and "
+        "sharc.clip_grad_norm_(model, max_norm) returns the norm of the whole gradient")
 
 
 def _sets_requires_grad(func, name: str) -> bool:
@@ -205,8 +269,10 @@ class OutsideForwardCopy(torch.Tensor):
     change the copy only, so it raises, naming what does reach the shards. A view of it (`.data`,
     `.detach()`, `view`, indexing) is such a copy too, so writes through it
     raise the same way; a NumPy array of it is beyond reach (writing one
-    changes the copy only). Every other op runs as on a tensor and returns
-    plain tensors."""
+    changes the copy only). Gradient hooks, retain_grad() and `.grad` on it
+    raise too, naming the shard that holds the gradient ([Note: a copy has
+    no gradient of training's]). Every other op runs as on a tensor and
+    returns plain tensors."""
 
     sharc_fqn = "?"
 
@@ -226,13 +292,16 @@ class OutsideForwardCopy(torch.Tensor):
                 "requires_grad on the shard the optimizer holds: "
                 "`for p in module.parameters(): p.requires_grad_(flag)`, or "
                 f"`dict(model.named_parameters())['{target.sharc_fqn}'].requires_grad_(flag)`")
+        access = _gradient_access(func, name) if isinstance(target, cls) else None
+        if access is not None:
+            raise _gradient_access_refused(target, access)
         if isinstance(target, cls) and _sets_attribute(func, name, "data"):
             raise _data_assignment_refused(target, args[1])
         if in_place and isinstance(target, cls):
             raise _copy_write_refused(target, name)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        if isinstance(target, cls):
+        if isinstance(target, cls) and not _reads_base(func, name):
             return _views_as_copies(out, target)
         return out
 
