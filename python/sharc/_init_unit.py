@@ -112,9 +112,28 @@ class _Unit(dict):
         self.as_constructed = as_constructed
         self.targets: dict[int, tuple[torch.nn.Parameter, int, bool]] = {}
         self.originals: dict[str, torch.nn.Parameter] = {}
+        self.scratch: dict[int, torch.nn.Parameter] = {}  # see read_through
 
     def __missing__(self, pid: int) -> torch.nn.Parameter:
         return self._target(pid)  # another module's parameter, reached by this one's init
+
+    def read_through(self, module: torch.nn.Module, pid: int) -> torch.nn.Parameter:
+        """`module.<name>` for another module's parameter `pid`, reached by
+        this unit's initialiser (a transformers root's `_init_weights`
+        writing its output head). Replaying construction, a tied parameter
+        reached through a module that did not create it was that module's
+        own weight then, which the tie replaced afterwards: the write goes
+        to a scratch copy, as for the unit's own module (`open`), and the
+        creator's values stand."""
+        if self.as_constructed and self.progress.owners[pid] is not module:
+            scratch = self.scratch.get(pid)
+            if scratch is None:
+                ref = self.progress.refs[pid]
+                scratch = torch.nn.Parameter(fresh(ref.shape, ref.shard.dtype,
+                                                   self.progress.device), requires_grad=False)
+                self.scratch[pid] = scratch
+            return scratch
+        return self[pid]
 
     def full_of_shard(self, tensor: torch.Tensor) -> torch.nn.Parameter | None:
         """The full tensor a shard the initialiser reached stands for (it

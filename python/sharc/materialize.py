@@ -34,7 +34,9 @@ a tie (`head.weight = emb.weight`) replaced the later module's own weight
 after that module had drawn values for it. So a tied parameter is
 initialised once, by the first module holding it in `named_modules()`
 order, and the later module's `reset_parameters()` draws into a scratch
-copy that is dropped (the draws still advance the stream, as they did).
+copy that is dropped (the draws still advance the stream, as they did);
+so does a write reaching it through the later module from elsewhere (a
+transformers root's `_init_weights` writing its tied output head).
 `post_init()` also runs before the tie. Step 2 runs on the tied model, as
 `self.apply()` after the tie does: every module's write lands.
 

@@ -357,10 +357,23 @@ class _DrawnOpaque(torch.nn.Module):
         torch.nn.init.normal_(self.w)
 
 
+def make_modernbert_tied():
+    """ModernBERT's root `_init_weights` writes the output head `decoder`,
+    tied to the token embedding: at construction the head still had a
+    weight of its own, so the embedding's draw is the one that stands."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    return ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2, tie_word_embeddings=True))
+
+
 HF_INIT_IN_CONSTRUCTOR = {  # name -> build
     "gpt2": make_gpt2,
     "t5": lambda: make_t5(False),
     "t5_tied": lambda: make_t5(True),
+    "modernbert_tied": make_modernbert_tied,
 }
 
 DRAWN_LEAF = {  # a head after it shows the stream was not shifted
@@ -417,7 +430,9 @@ def test_hf_draws_in_constructors_and_root_writes_into_children_are_replayed():
     """Bitwise every parameter and buffer of a normal build with the same
     seed. GPT-2: Conv1D draws its weight in __init__ (no reset_parameters());
     a lost draw shifts every later value. T5: the root model's
-    `_init_weights` writes `shared.weight` and the untied `lm_head.weight`."""
+    `_init_weights` writes `shared.weight` and the untied `lm_head.weight`.
+    ModernBERT, tied: the root's write to its head went into the tied
+    embedding (std 0.01 values where the normal build has 0.02's)."""
     for out in run_ranks(_hf_init_in_constructor, 2):
         assert _differing(out) == {name: [] for name in HF_INIT_IN_CONSTRUCTOR}
         assert all(not case["warned"] for case in out.values()), out

@@ -28,7 +28,7 @@ def _full_param_property(name: str) -> property:
             # Captured as a functional all-gather; sharc's backend schedules
             # it (see sharc/_compile), any other backend sees a plain value.
             return ref.traced_read()
-        return state.schedule.read(ref)
+        return state.schedule.read(ref, module)
 
     never_a_frame_of_its_own(get)
     never_a_frame_of_its_own(_substituted)

@@ -429,10 +429,11 @@ class EagerSchedule:
             self._saved_hooks = None
 
     @_eager_runtime_call
-    def read(self, ref: ShardedParamRef) -> torch.Tensor:
+    def read(self, ref: ShardedParamRef, module: torch.nn.Module | None = None) -> torch.Tensor:
         """The full tensor for `module.<name>`."""
         if self.unsharded is not None:
-            return self.unsharded[ref.pid]
+            through = getattr(self.unsharded, "read_through", None)
+            return self.unsharded[ref.pid] if through is None else through(module, ref.pid)
         full, fresh = self._runtime.eager_read(self._root, ref.pid, ref.shard)
         if full is None:  # outside every scope: a copy of its own, in the master dtype
             if self.checks is not None:
