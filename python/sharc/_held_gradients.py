@@ -11,46 +11,22 @@ runs in sharc's optimizer step pre-hook.
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
 
-from sharc._library import Runtime
-from sharc._optimizer_writes import SHARD_PID
-from sharc._torch_clip import SHARD_GROUP
-
-
-def _pids_by_group(params) -> dict[str, list[int]]:
-    by_group = collections.defaultdict(list)
-    for p in params:
-        pid = getattr(p, SHARD_PID, None)
-        if pid is not None:
-            by_group[getattr(p, SHARD_GROUP)].append(pid)
-    return by_group
-
-
-def _runtimes(params):
-    for group_name, pids in _pids_by_group(params).items():
-        try:
-            yield Runtime.for_group(group_name), pids
-        except RuntimeError:
-            continue  # the group is gone, and what it held with it
+from sharc._optimizer_writes import optimizer_params, runtimes_of
 
 
 def discard(params) -> None:
-    for runtime, pids in _runtimes(params):
+    for runtime, pids in runtimes_of(params):
         runtime.discard_held_back(pids)
-
-
-def _optimizer_params(optimizer):
-    return (p for group in optimizer.param_groups for p in group["params"])
 
 
 def refuse_step_over_held(optimizer) -> None:
     """Optimizer step pre-hook part: a step while no_sync holds gradients of
     its shards would step on zeros and add the sums into the next step."""
-    for runtime, pids in _runtimes(_optimizer_params(optimizer)):
+    for runtime, pids in runtimes_of(optimizer_params(optimizer)):
         names = runtime.held_back(pids)
         if names:
             more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
@@ -81,5 +57,5 @@ def _wrap(cls, params_of) -> None:
 
 @functools.cache
 def install() -> None:
-    _wrap(torch.optim.Optimizer, _optimizer_params)
+    _wrap(torch.optim.Optimizer, optimizer_params)
     _wrap(torch.nn.Module, lambda module: module.parameters())

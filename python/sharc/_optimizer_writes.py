@@ -30,22 +30,32 @@ def mark_shard(shard: torch.nn.Parameter, pid: int) -> None:
     setattr(shard, SHARD_PID, pid)
 
 
+def runtimes_of(params):
+    """(runtime, ids) for each live group holding shards among `params`;
+    other tensors are skipped, and so is a group destroyed since (nothing of
+    it is gathered or held any more)."""
+    from sharc._torch_clip import SHARD_GROUP
+
+    by_group = collections.defaultdict(list)
+    for p in params:
+        pid = getattr(p, SHARD_PID, None)
+        if pid is not None:
+            by_group[getattr(p, SHARD_GROUP)].append(pid)
+    for group_name, pids in by_group.items():
+        try:
+            yield Runtime.for_group(group_name), pids
+        except RuntimeError:
+            continue
+
+
+def optimizer_params(optimizer):
+    return (p for group in optimizer.param_groups for p in group["params"])
+
+
 def _note_step(optimizer, *_args, **_kwargs) -> None:
     """Optimizer step post-hook: every shard the optimizer holds is reported
     written to its group's runtime."""
-    from sharc._torch_clip import SHARD_GROUP
-
-    written = collections.defaultdict(list)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            pid = getattr(p, SHARD_PID, None)
-            if pid is not None:
-                written[getattr(p, SHARD_GROUP)].append(pid)
-    for group_name, pids in written.items():
-        try:
-            runtime = Runtime.for_group(group_name)
-        except RuntimeError:
-            continue  # the group is gone: nothing of it is gathered any more
+    for runtime, pids in runtimes_of(optimizer_params(optimizer)):
         runtime.note_shards_written(pids)
 
 
