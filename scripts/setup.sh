@@ -13,7 +13,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 
 # torch first and pinned, so nothing later can pull another build.
 "${PIP[@]}" install -q "torch==2.13.0"
-"${PIP[@]}" install -q "scikit-build-core>=0.10" "tqdm>=4.60" "pytest>=7" numpy "matplotlib>=3.7"
+"${PIP[@]}" install -q "scikit-build-core>=0.10" "tqdm>=4.60" "pytest>=7" "pytest-xdist>=3" numpy "matplotlib>=3.7"
 # Real models and their weight files for the tests (neither depends on torch,
 # so the pin above holds): HF transformers, safetensors.
 "${PIP[@]}" install -q "transformers>=4.40" "safetensors>=0.4"
