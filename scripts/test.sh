@@ -16,9 +16,9 @@ if [[ "${SHARC_SANITIZE:-1}" != 0 ]]; then
 fi
 
 # Two test files at a time (pytest-xdist, a file's tests kept together, as
-# some share one launch through functools.cache). A file alone keeps two
-# cores busy only 1.4 of the time on average: its ranks wait on each other,
-# on process start-up and on the launcher's grace periods. Measured on the
+# some share one launch through functools.cache). One file alone kept 0.75
+# (the launcher's tests) to 1.6 (compiled tests) of the two cores busy: its
+# ranks wait on each other, on start-up and on grace periods. Measured on the
 # 2-core host (warm Inductor cache): 1586 s one file at a time, 1230 s two
 # at a time, 1.97 cores busy. More workers where there are more cores
 # (half the cores: each test runs two or three rank processes);
