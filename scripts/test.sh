@@ -23,6 +23,7 @@ fi
 # at a time, 1.97 cores busy. More workers where there are more cores
 # (half the cores: each test runs two or three rank processes);
 # SHARC_TEST_WORKERS overrides, 0 runs in this process alone.
-cores=$(nproc)
-workers=${SHARC_TEST_WORKERS:-$(( cores / 2 > 2 ? (cores / 2 > 8 ? 8 : cores / 2) : 2 ))}
+half_the_cores=$(( $(nproc) / 2 ))
+workers=${SHARC_TEST_WORKERS:-$(( half_the_cores < 2 ? 2 : half_the_cores ))}
+if [[ -z "${SHARC_TEST_WORKERS:-}" && "$workers" -gt 8 ]]; then workers=8; fi
 .venv/bin/python -m pytest tests/python -n "$workers" --dist loadfile --durations=25 "$@"
