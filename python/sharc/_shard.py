@@ -220,6 +220,7 @@ def _register(runtime, group_name: str, named, dtypes,
         else:
             pid = runtime.register_empty(list(p.shape), p.dtype, device, fqn)
         shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
+        runtime.set_parameter(pid, shard)
         # What code set on the parameter (Mamba's `_no_weight_decay`, tags
         # that build optimizer groups) goes on with it: optimizers are built
         # from the shards.

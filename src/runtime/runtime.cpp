@@ -186,6 +186,14 @@ at::Tensor Runtime::shard(int64_t id) {
   return param(id).shard;
 }
 
+void Runtime::set_parameter(int64_t id, const at::Tensor& parameter) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ShardedParam& p = param(id);
+  SHARC_CHECK(parameter.storage().is_alias_of(p.shard.storage()), "sharc: the parameter given "
+              "for '", p.name, "' is not made of its shard");
+  p.parameter = c10::weak_intrusive_ptr<c10::TensorImpl>(parameter.getIntrusivePtr());
+}
+
 void Runtime::load_full(int64_t id, const at::Tensor& full) {
   std::lock_guard<std::mutex> lock(mutex_);
   ShardedParam& p = param(id);
@@ -616,6 +624,7 @@ int64_t Runtime::start_reduce_scatter_locked(const std::vector<int64_t>& ids,
                                              const std::vector<bool>& held,
                                              const std::vector<bool>& used) {
   RECORD_FUNCTION("sharc::start_reduce_scatter", std::vector<c10::IValue>());
+  sweep_held_resets_locked();  // [Note: gradients held by no_sync]
   const int64_t world = comm_.world_size();
   PendingReduction pending;
   // One collective in the widest reduce dtype of the bucket; each result is
@@ -751,6 +760,7 @@ void Runtime::start_replicate_all_reduce(int64_t token) {
 
 void Runtime::replicate_locked(PendingReduction& pending) {
   pending.replicated = true;
+  sweep_held_resets_locked();  // [Note: gradients held by no_sync]
   if (!replicate_ || pending.seq < 0) return;  // flat sharding, or nothing was sent
   const at::Tensor sums = pending.out;  // undivided shard sums, used marks, the flag's sum
   const int64_t flag_at = sums.numel() - 1;
@@ -769,6 +779,7 @@ void Runtime::replicate_locked(PendingReduction& pending) {
         pending.held[i] = true;  // no part in this all-reduce; drop_unused empties it
         continue;
       }
+      queue_record_held_locked();
       at::Tensor held = at::cat({mine, sums.narrow(0, flag_at, 1)});
       if (p.unreplicated.defined()) {
         p.unreplicated.add_(held.to(p.unreplicated.scalar_type()));
@@ -980,6 +991,7 @@ void Runtime::hold_unreduced(ShardedParam& p, const at::Tensor& grad) {
   SHARC_CHECK(grad.numel() == p.layout.numel, "sharc: gradient of '", p.name, "' has ",
               grad.numel(), " elements, expected ", p.layout.numel);
   at::NoGradGuard no_grad;
+  queue_record_held_locked();
   // Summed in the wider of the reduce and grad dtypes: micro-batches add up
   // before any rounding to a small reduce dtype.
   const c10::ScalarType dtype = c10::promoteTypes(p.spec.reduce_dtype, p.spec.grad_dtype);
@@ -1031,6 +1043,7 @@ int64_t Runtime::flush_unit(const std::vector<int64_t>& ids) {
   RECORD_FUNCTION("sharc::flush_unit", std::vector<c10::IValue>());
   SHARC_CHECK(!ids.empty(), "sharc: flush_unit needs at least one parameter");
   std::lock_guard<std::mutex> lock(mutex_);
+  sweep_held_resets_locked();  // [Note: gradients held by no_sync]
   // What backward held back, taken over as it is; zeros where nothing was.
   std::vector<at::Tensor> grads;
   std::vector<bool> used;
@@ -1084,6 +1097,7 @@ void Runtime::reduce_held_back() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!gradient_sync_ || !replicate_sync_) return;
+    sweep_held_resets_locked();  // [Note: gradients held by no_sync]
     for (size_t id = 0; id < params_.size(); ++id) {
       const ShardedParam& p = *params_[id];
       if ((p.unreduced.defined() && !p.deferred) || p.unreplicated.defined()) {
@@ -1096,11 +1110,7 @@ void Runtime::reduce_held_back() {
   std::vector<at::Tensor> targets;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (int64_t id : ids) {
-      const ShardedParam& p = param(id);
-      at::Tensor read = p.read_as_shard ? at::Tensor(p.read_as_shard->lock()) : at::Tensor();
-      targets.push_back(read.defined() ? read : p.shard);
-    }
+    for (int64_t id : ids) targets.push_back(grad_owner(param(id)));
   }
   for (size_t i = 0; i < ids.size(); ++i) add_into_grad(targets[i], grads[i]);
 }

@@ -36,6 +36,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("register_param", &sharc::Runtime::register_param)
       .def("register_empty", &sharc::Runtime::register_empty)
       .def("shard", &sharc::Runtime::shard)
+      .def("set_parameter", &sharc::Runtime::set_parameter)
       .def("load_full", &sharc::Runtime::load_full)
       .def("gather", &sharc::Runtime::gather)
       .def("read_full", &sharc::Runtime::read_full)

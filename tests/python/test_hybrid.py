@@ -470,10 +470,12 @@ def test_replicas_judge_an_earlier_all_reduce_before_waiting_on_a_later_one():
         assert "the hosts diverged" in message, (rank, message)
 
 
-def _accumulate_skipping_b(rank, world, mode):
+def _accumulate_skipping_b(rank, world, mode, reset=False):
     """Two micro-batches, the first through `b` and the last not (every rank
     alike): what `b` held back (the full gradient, or with replicate_only its
-    shard sums) must reach this step's gradient, not a later one's."""
+    shard sums) must reach this step's gradient, not a later one's. With
+    `reset`, every .grad is set to None by hand between them: what was held
+    must go, as the first micro-batch's gradient goes in one process."""
     import sharc
 
     torch.manual_seed(0)
@@ -487,27 +489,37 @@ def _accumulate_skipping_b(rank, world, mode):
         ctx = sharc.no_sync(model, replicate_only=mode == "replicate_only")
         with ctx:
             (model(xs[0], skip_b=step == 1) / 2).backward()
+        if reset:
+            for p in model.parameters():
+                p.grad = None
         (model(xs[1], skip_b=step == 0) / 2).backward()
         stats = sharc.memory_stats(group)
         assert stats["unreduced_grad_bytes"] == 0 and stats["unreplicated_grad_bytes"] == 0, stats
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: None if p.grad is None else p.grad.clone()
+                      for n, p in model.named_parameters()})
         model.zero_grad()
     return grads
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["kept", "grad_set_to_none"])
 @pytest.mark.parametrize("mode", ["no_sync", "replicate_only"])
-def test_accumulation_keeps_what_a_skipped_module_held(mode):
-    results = run_ranks(_accumulate_skipping_b, WORLD, mode)
+def test_accumulation_keeps_what_a_skipped_module_held(mode, reset):
+    results = run_ranks(_accumulate_skipping_b, WORLD, mode, reset)
     torch.manual_seed(0)
     ref = _TwoPaths()
     for step in range(2):
         for m in range(2):
+            if reset and m == 1:
+                ref.zero_grad(set_to_none=True)
             for r in range(WORLD):
                 x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + 4 * m + r))
                 (ref(x, skip_b=step == (0 if m == 1 else 1)) / (2 * WORLD)).backward()
         for rank, grads in enumerate(results):
             shard = rank % PER_HOST
             for name, p in ref.named_parameters():
+                if p.grad is None:  # reset, and the last micro-batch skipped it
+                    assert grads[step][name] is None, (mode, name)
+                    continue
                 torch.testing.assert_close(grads[step][name], shard_of(p.grad, shard, PER_HOST),
                                            msg=lambda m, name=name: f"{mode} {name}: {m}")
         ref.zero_grad()

@@ -229,3 +229,42 @@ def test_a_unit_run_a_different_number_of_times_on_each_rank_trains_as_one_proce
     for state in run_ranks(_train_repeated, 2, mode):
         for name, want in reference.state_dict().items():
             torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _reset_between_micro_batches(rank, world, mode):
+    """A micro-batch under no_sync, every .grad set to None by hand, then a
+    synced one: the units' held sums must go with the first micro-batch."""
+    import sharc
+
+    torch.manual_seed(0)
+    model = ThreeMoELayers(WIDTH, EXPERTS)
+    sharc.shard(model, config=sharc.ShardConfig(gather_units=UNITS))
+    step_fn = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    with sharc.no_sync(model):
+        (step_fn(_batch(0, rank)) * 100).backward()
+    for p in model.parameters():
+        p.grad = None
+    step_fn(_batch(1, rank)).backward()
+    held = sharc.memory_stats()["unreduced_grad_bytes"]
+    return held, {n: None if p.grad is None else p.grad.clone()
+                  for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_grad_set_to_none_by_hand_drops_what_units_held(mode):
+    """Before: the first micro-batch's sums (100 times its gradient) came
+    back in the units' reductions."""
+    from models import shard_of
+
+    results = run_ranks(_reset_between_micro_batches, 2, mode)
+    torch.manual_seed(0)
+    ref = ThreeMoELayers(WIDTH, EXPERTS)
+    (sum(ref(_batch(1, r)) for r in range(2)) / 2).backward()
+    for rank, (held, grads) in enumerate(results):
+        assert held == 0
+        for name, p in ref.named_parameters():
+            if p.grad is None:
+                assert grads[name] is None, name
+                continue
+            torch.testing.assert_close(grads[name], shard_of(p.grad, rank, 2), rtol=1e-4,
+                                       atol=1e-6, msg=lambda m, name=name: f"rank {rank} {name}: {m}")

@@ -133,9 +133,19 @@ struct ShardedParam {
   /// (check_shard), weakly: the user's parameter, whose .grad a late
   /// reduction adds into ([Note: late reduction waits]).
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> read_as_shard;
+  /// The nn.Parameter made of `shard` (set_parameter), weakly.
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> parameter;
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
   bool deferred = false;
+  /// The .grad of the user's parameter when the last backward that held a
+  /// sum here ended ([Note: gradients held by no_sync]): a .grad set to
+  /// None or replaced by hand since then drops the held sum.
+  struct HeldBeside {
+    bool recorded = false;
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> grad;
+  };
+  HeldBeside held_beside;
 
   /// A persistent parameter kept gathered from a shard that has changed since.
   bool is_stale() const;
@@ -219,6 +229,9 @@ class Runtime : public torch::CustomClassHolder {
   /// This rank's flat shard of a parameter: the tensor that sharc.shard()
   /// wraps as the module's nn.Parameter, so optimizer updates reach gathers.
   at::Tensor shard(int64_t id);
+  /// The nn.Parameter sharc.shard() made of shard(id), weakly: whose .grad a
+  /// gradient reaches where no forward read the shard (see grad_owner).
+  void set_parameter(int64_t id, const at::Tensor& parameter);
   /// Copies this rank's slice of `full` (the true-shape value) into the shard.
   void load_full(int64_t id, const at::Tensor& full);
 
@@ -700,6 +713,24 @@ class Runtime : public torch::CustomClassHolder {
   void queue_reduce_held_back_locked();
   void reduce_held_back();
   int64_t held_back_task_ = -1;
+  /// The parameter whose .grad receives `p`'s shard gradient: the tensor
+  /// the last forward read as its shard, else the nn.Parameter made of it
+  /// (set_parameter), else the registered shard.
+  static at::Tensor grad_owner(const ShardedParam& p);
+  /// [Note: gradients held by no_sync]: what `p` holds, dropped.
+  void drop_held_locked(ShardedParam& p);
+  /// Whether `p` holds a sum and its .grad was set to None or replaced
+  /// since the backward that held it ended.
+  static bool grad_reset_since_held(const ShardedParam& p);
+  /// Once per backward, before any held sum is used: drops each sum whose
+  /// .grad was reset (grad_reset_since_held), then forgets the records.
+  void sweep_held_resets_locked();
+  int64_t resets_swept_task_ = -1;
+  /// Queues, once per autograd graph task, the record of every holding
+  /// parameter's .grad at the task's end (record_held_beside).
+  void queue_record_held_locked();
+  void record_held_beside();
+  int64_t record_held_task_ = -1;
   /// Whether a forward graph continues the pass (begin_forward_graph).
   ForwardDataflow forward_dataflow_;
   std::optional<CollectiveCosts> costs_;  ///< collective_costs(), once measured
