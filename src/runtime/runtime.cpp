@@ -1079,17 +1079,23 @@ int64_t Runtime::flush_unit(const std::vector<int64_t>& ids) {
 void Runtime::queue_reduce_held_back_locked() {
   if (!gradient_sync_ || !replicate_sync_) return;
   if (accounting_.stats().unreduced_grad_bytes == 0 && unreplicated_bytes_ == 0) return;
+  queue_once_per_backward_locked(held_back_task_, &Runtime::reduce_held_back);
+}
+
+bool Runtime::queue_once_per_backward_locked(int64_t& queued_task, void (Runtime::*callback)()) {
   const int64_t task = torch::autograd::get_current_graph_task_id();
-  if (task == -1 || task == held_back_task_) return;  // outside backward, or queued
+  if (task == -1) return false;  // outside backward
+  if (task == queued_task) return true;
   c10::weak_intrusive_ptr<Runtime> weak = weak_self();
   try {
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto runtime = weak.lock()) runtime->reduce_held_back();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, callback] {
+      if (auto runtime = weak.lock()) ((*runtime).*callback)();
     });
   } catch (const c10::Error&) {
-    return;
+    return false;
   }
-  held_back_task_ = task;
+  queued_task = task;
+  return true;
 }
 
 void Runtime::reduce_held_back() {

@@ -110,17 +110,7 @@ void Runtime::sweep_held_resets_locked() {
 }
 
 void Runtime::queue_record_held_locked() {
-  const int64_t task = torch::autograd::get_current_graph_task_id();
-  if (task == -1 || task == record_held_task_) return;  // outside backward, or queued
-  c10::weak_intrusive_ptr<Runtime> weak = weak_self();
-  try {
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto runtime = weak.lock()) runtime->record_held_beside();
-    });
-  } catch (const c10::Error&) {
-    return;
-  }
-  record_held_task_ = task;
+  queue_once_per_backward_locked(record_held_task_, &Runtime::record_held_beside);
 }
 
 void Runtime::record_held_beside() {

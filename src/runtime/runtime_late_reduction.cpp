@@ -121,18 +121,7 @@ bool Runtime::may_finish_late_locked(const PendingReduction& pending) {
 // the current autograd graph task, once per task; false where the engine
 // takes no callback (not inside it).
 bool Runtime::queue_late_delivery_locked() {
-  const int64_t task = torch::autograd::get_current_graph_task_id();
-  if (task == late_delivery_task_ && task != -1) return true;
-  c10::weak_intrusive_ptr<Runtime> weak = weak_self();
-  try {
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto runtime = weak.lock()) runtime->deliver_late_reductions();
-    });
-  } catch (const c10::Error&) {
-    return false;
-  }
-  late_delivery_task_ = task;
-  return true;
+  return queue_once_per_backward_locked(late_delivery_task_, &Runtime::deliver_late_reductions);
 }
 
 void Runtime::deliver_late_reductions() {

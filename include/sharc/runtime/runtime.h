@@ -713,6 +713,9 @@ class Runtime : public torch::CustomClassHolder {
   void queue_reduce_held_back_locked();
   void reduce_held_back();
   int64_t held_back_task_ = -1;
+  /// Queues `callback` at the end of the current autograd graph task, once
+  /// per task (`queued_task` remembers the last); false outside backward.
+  bool queue_once_per_backward_locked(int64_t& queued_task, void (Runtime::*callback)());
   /// The parameter whose .grad receives `p`'s shard gradient: the tensor
   /// the last forward read as its shard, else the nn.Parameter made of it
   /// (set_parameter), else the registered shard.
