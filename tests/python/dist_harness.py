@@ -15,6 +15,63 @@ import tempfile
 import time
 import traceback
 
+# [Note: ranks compile in rank order]
+# Every rank compiles the same graphs, and on this 2-core host the ranks of
+# two tests at once share two cores: rank 1's Inductor work duplicated rank
+# 0's, which is most of a compiled test's time. Each rank > 0 therefore waits
+# for rank 0 to finish compiling its graph of the same index before compiling
+# it, and so loads rank 0's output from Inductor's FX graph cache. That is
+# what local ranks sharing the default cache directory see on a real host
+# (any skew between them makes the later ones hit), and it runs sharc's cache
+# keys ([Note: sharc and Inductor's caches]) in every compiled test. Nothing
+# inside Inductor's compile communicates (sharc's passes, which may, run
+# before it), so rank 0 never waits for a waiting rank; ranks whose graphs
+# differ in number (routing that differs) stop waiting after the first wait
+# that finds rank 0 not started, at most START_WAIT_S, and so do ranks whose
+# cache directory is not rank 0's (tests of the cache give each rank its own).
+START_WAIT_S = 5.0
+DONE_WAIT_S = 600.0
+
+
+def _compile_in_rank_order(rank, marker_dir):
+    from torch._inductor import compile_fx
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    original = compile_fx._compile_fx_inner
+    state = {"index": 0, "waiting": rank > 0}
+
+    def _wait_for(path, seconds):
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _same_cache(started):
+        with open(started) as f:
+            return f.read() == cache_dir()
+
+    def ordered(*args, **kwargs):
+        index = state["index"]
+        state["index"] += 1
+        started = os.path.join(marker_dir, f"compile{index}.started")
+        done = os.path.join(marker_dir, f"compile{index}.done")
+        if state["waiting"]:
+            state["waiting"] = (_wait_for(started, START_WAIT_S)
+                                and _same_cache(started) and _wait_for(done, DONE_WAIT_S))
+        if rank == 0:
+            with open(started + ".tmp", "w") as f:  # whole when it appears
+                f.write(cache_dir())
+            os.replace(started + ".tmp", started)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if rank == 0:
+                open(done, "w").close()
+
+    compile_fx._compile_fx_inner = ordered
+
 
 
 def _rank_main(fn, rank, world_size, init_file, conn, args, init_group, backend):
@@ -23,6 +80,8 @@ def _rank_main(fn, rank, world_size, init_file, conn, args, init_group, backend)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if world_size > 1:
+        _compile_in_rank_order(rank, os.path.dirname(init_file))
     torch.manual_seed(0)  # every rank builds the same model unless a test says otherwise
     try:
         if init_group:

@@ -57,7 +57,9 @@ def test_a_second_process_schedules_alike_hits_inductors_cache_and_trains_identi
                       timeout=420)
     for r in first:
         assert r[3] > 0 and r[4] == 0  # measured, nothing stored yet
-        assert r[2]["miss"] > 0
+    # Compiled anew (by rank 0: the others load its graphs, [Note: ranks
+    # compile in rank order] in dist_harness.py).
+    assert first[0][2]["miss"] > 0
     again = run_ranks(_train, 2, cache_dir, int(10.9 * GIB), [2.0, 1e-2, 3.0, 1e-2],
                       timeout=420)
     for r, before in zip(again, first):
