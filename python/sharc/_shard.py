@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from sharc import (_added_after_shard, _held_gradients, _mesh, _optimizer_support,
-                   _optimizer_writes, _torch_clip, _validate, mixed_precision)
+                   _optimizer_writes, _parametrize_removal, _torch_clip, _validate,
+                   mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -121,6 +122,7 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
     _optimizer_writes.install()  # [Note: shard writes a version counter misses]
     _held_gradients.install()  # [Note: gradients held by no_sync]
     _torch_clip.install()  # [Note: torch's clipping on shards]
+    _parametrize_removal.install()  # [Note: removing a parametrization after shard]
     for fqn, p in named:
         if fqn in kept:
             runtime.set_persistent(refs_by_param[p].pid, True)

@@ -421,13 +421,21 @@ def _pruned_or_parametrized_after_shard(rank, world):
     import io
 
     import sharc
-    from torch.nn.utils import parametrize, prune
+    from torch.nn.utils import parametrizations, parametrize, prune
 
-    def build(pruned=False):
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).t()
+
+    def build(pruned=False, parametrized=None):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         if pruned:
             prune.l1_unstructured(model[0], "weight", 0.5)
+        if parametrized == "symmetric":  # one tensor held
+            parametrize.register_parametrization(model[0], "weight", Symmetric())
+        elif parametrized == "weight_norm":  # two
+            parametrizations.weight_norm(model[0])
         sharc.shard(model)
         return model
 
@@ -440,6 +448,11 @@ def _pruned_or_parametrized_after_shard(rank, world):
         "delete": (build, lambda m: delattr(m[0], "weight")),
         "prune_remove": (lambda: build(pruned=True), lambda m: prune.remove(m[0], "weight")),
         "shallow_copy": (build, lambda m: copy.copy(m)),
+        "parametrize_remove": (lambda: build(parametrized="symmetric"),
+                               lambda m: parametrize.remove_parametrizations(m[0], "weight")),
+        "weight_norm_remove": (lambda: build(parametrized="weight_norm"),
+                               lambda m: parametrize.remove_parametrizations(
+                                   m[0], "weight", leave_parametrized=False)),
     }
     for case, (make, change) in cases.items():
         model = make()
@@ -466,7 +479,8 @@ def test_pruning_parametrizing_and_pickling_after_shard_are_refused_unchanged():
     copy, and the deletion (or prune.remove's `.data` write) left the model
     training a full copy apart on each rank, or a parametrization over
     nothing, with a RecursionError. torch.save(model) failed in pickle's
-    class lookup. Each is refused where it is made, naming what to do
+    class lookup. Removing a parametrization made before shard() failed
+    inside torch with an AttributeError on sharc's class. Each is refused where it is made, naming what to do
     instead, and the model trains on as it was."""
     for results in run_ranks(_pruned_or_parametrized_after_shard, 2, timeout=180):
         expected = {
@@ -475,6 +489,9 @@ def test_pruning_parametrizing_and_pickling_after_shard_are_refused_unchanged():
             "parametrize": ("RuntimeError", "cannot delete the sharded parameter '0.weight'"),
             "delete": ("RuntimeError", "cannot delete the sharded parameter '0.weight'"),
             "prune_remove": ("RuntimeError", "Make pruning permanent before sharc.shard()"),
+            "parametrize_remove": ("RuntimeError", "cannot remove the parametrization of "
+                                   "'weight' on a sharded Linear"),
+            "weight_norm_remove": ("RuntimeError", "Remove parametrizations before sharc.shard()"),
         }
         for case, (kind, fragment) in expected.items():
             error, unchanged = results[case]
