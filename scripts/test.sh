@@ -22,7 +22,10 @@ fi
 # 2-core host (warm Inductor cache): 1586 s one file at a time, 1230 s two
 # at a time, 1.97 cores busy. More workers where there are more cores
 # (half the cores: each test runs two or three rank processes);
-# SHARC_TEST_WORKERS overrides, 0 runs in this process alone.
+# SHARC_TEST_WORKERS overrides, 0 runs in this process alone. With a fresh
+# Inductor cache, as CI has: 2089 s, then 1926 s once ranks > 0 load the
+# graphs rank 0 compiled ([Note: ranks compile in rank order] in
+# tests/python/dist_harness.py).
 half_the_cores=$(( $(nproc) / 2 ))
 workers=${SHARC_TEST_WORKERS:-$(( half_the_cores < 2 ? 2 : half_the_cores ))}
 if [[ -z "${SHARC_TEST_WORKERS:-}" && "$workers" -gt 8 ]]; then workers=8; fi
