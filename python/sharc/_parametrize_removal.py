@@ -10,11 +10,11 @@ put the parametrized value back on the module as a parameter of full size
 that no shard backs, and it deletes the parametrization's property from the
 module's class, which after shard() is sharc's subclass: it failed there
 with an AttributeError that named neither sharc nor a fix (the shards were
-left as they were, since the value torch set first was a gathered copy). `install()` wraps torch's function once per process:
-a call on a parametrization that holds a shard raises, naming what to do
-instead; any other call is torch's own. Code that bound torch's function to
-a name of its own before the first shard() reaches torch's function as it
-is.
+left as they were, since the value torch set first was a gathered copy).
+`install()` wraps torch's function once per process: a call on a
+parametrization that holds a shard raises, naming what to do instead; any
+other call is torch's own. Code that bound torch's function to a name of its
+own before the first shard() reaches torch's function as it is.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def install() -> None:
             raise RuntimeError(
                 f"sharc: cannot remove the parametrization of '{tensor_name}' on a sharded "
                 f"{owner.__name__}: the tensors it holds are shards, and torch would put a "
-                "full-size parameter no shard backs in their place. Remove parametrizations before "
-                "sharc.shard(), or on a model loaded from sharc.full_state_dict(model)")
+                "full-size parameter no shard backs in their place. Remove parametrizations "
+                "before sharc.shard(), or on a model loaded from sharc.full_state_dict(model)")
         return torch_remove(module, tensor_name, *args, **kwargs)
 
     remove_parametrizations._sharc_wraps = torch_remove
