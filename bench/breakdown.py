@@ -43,13 +43,13 @@ from _common import adamw, fresh_model, markdown, write_results
 from compare import SIZES
 from sharc.data import CharDataset
 from sharc._compile.collective_costs import known_collective_costs
-from sharc.launch import launch
+from sharc.launch import configure_threads, launch
 
 _COPIES = ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::to", "aten::index_put_")
 
 
 def _rank_main(args) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    configure_threads(dist.get_world_size())  # [Note: one thread for gloo's threads]
     for size in (list(SIZES) if args.size == "all" else [args.size]):
         _measure(size, args)
 

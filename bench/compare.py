@@ -84,7 +84,7 @@ from _common import (LARGE_MODEL, MODEL, Competitor, adamw, fresh_model, markdow
                      time_rounds, warm_up, write_results)
 from _models import BrokenConfig, EncoderConfig, SwitchConfig
 from sharc.data import CharDataset
-from sharc.launch import launch
+from sharc.launch import configure_threads, launch
 
 COMPETITORS = ["floor", "sharc compiled", "sharc compiled, lean budget",
                "sharc compiled, profiling off", "sharc compiled, DDP's memory", "sharc eager", "FSDP2 eager", "FSDP2 compiled",
@@ -149,7 +149,7 @@ def _build(name: str, size) -> Competitor:
 
 
 def _rank_main(args) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    configure_threads(dist.get_world_size())  # [Note: one thread for gloo's threads]
     sizes = list(SIZES) if args.size == "all" else [args.size]
     for size in sizes:
         _run_size(size, args)

@@ -40,7 +40,7 @@ import sharc._compile.schedule as schedule
 from _common import markdown, own_inductor_cache, train_step, write_results
 from compare import SIZES, _build, _first_compile
 from sharc.data import CharDataset
-from sharc.launch import launch
+from sharc.launch import configure_threads, launch
 
 _SECONDS: dict[str, float] = {}
 _SHARC = "sharc's FX pipeline (all of it)"
@@ -114,7 +114,7 @@ def _instrument() -> None:
 
 
 def _rank_main(args, cold: bool) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    configure_threads(dist.get_world_size())  # [Note: one thread for gloo's threads]
     from torch._dynamo.utils import compilation_time_metrics
 
     if args.competitor.startswith("sharc"):

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from _common import markdown, train_step, write_results
 from compare import COMPETITORS, SIZES, _build
 from sharc.data import CharDataset
-from sharc.launch import launch
+from sharc.launch import configure_threads, launch
 
 GROUPS = ("matmuls", "Inductor kernels", "graph wrappers", "copies", "sharc's ops",
           "collectives", "optimizer", "the rest")
@@ -113,7 +113,7 @@ def _rank_main(args) -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel its own event
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    configure_threads(dist.get_world_size())  # [Note: one thread for gloo's threads]
     rank, world = dist.get_rank(), dist.get_world_size()
     config = SIZES[args.size]
     data = CharDataset()

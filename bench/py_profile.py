@@ -37,7 +37,7 @@ import torch.distributed as dist
 from _common import markdown, train_step, write_results
 from compare import COMPETITORS, SIZES, _build
 from sharc.data import CharDataset
-from sharc.launch import launch
+from sharc.launch import configure_threads, launch
 
 
 def _where(filename: str, line: int, function: str) -> str:
@@ -80,7 +80,7 @@ def _measure(name: str, config, batch, args) -> dict:
 
 
 def _rank_main(args) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    configure_threads(dist.get_world_size())  # [Note: one thread for gloo's threads]
     rank, world = dist.get_rank(), dist.get_world_size()
     config = SIZES[args.size]
     data = CharDataset()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from sharc import (_added_after_shard, _held_gradients, _mesh, _optimizer_support,
                    _optimizer_writes, _parametrize_removal, _torch_clip, _validate,
-                   mixed_precision)
+                   compute_threads, mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -93,6 +93,8 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
     groups = _mesh.resolve(group, mesh, config)
     group = groups.shard
     _validate.check_not_sharded(module)
+    if _validate.group_device(group).type == "cpu":  # gloo: before its first copy
+        compute_threads.keep_for_this_thread()  # [Note: one thread for gloo's threads]
     meta = _validate.built_on_meta(module)
     if meta:  # only this rank's shards are allocated, there
         device = _validate.shard_device(config.device, group)

@@ -48,6 +48,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sharc import compute_threads
+
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective waits for the other ranks before it fails (torch's
 own default is 30 minutes for gloo, 10 for NCCL)."""
@@ -393,4 +395,6 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def configure_threads(world_size: int) -> None:
-    torch.set_num_threads(threads_per_rank(world_size))
+    """This rank's share of the cores for its own compute; gloo's worker
+    threads get one ([Note: one thread for gloo's threads])."""
+    compute_threads.configure(threads_per_rank(world_size))
