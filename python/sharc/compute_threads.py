@@ -16,17 +16,21 @@ small matmul after its first large all-gather, for the rest of the process
 copies there; sharc's gathers, and FSDP2's, do.
 
 `configure(n)` (the launcher's and the trainer's threads per rank) gives
-the calling thread `n` threads and every thread that
-starts parallel work later one: torch's count set to 1 (what later threads
-take), then this thread's own OpenMP and MKL counts set back to `n` through
-their per-thread settings. gloo's copies then run on the gloo thread alone,
-no team is started there, and the rank's own compute keeps its `n`. Where
-the build lacks what that needs (another OpenMP runtime, no MKL, another
-platform) it falls back to `torch.set_num_threads(n)`. `shard()` over a
-group that communicates on the CPU keeps the calling thread's count the same
-way (`keep_for_this_thread`), for ranks started by other launchers: a
-thread the user starts afterwards for parallel compute of its own gets one
-thread unless it sets its own count.
+the calling thread `n` threads and every thread that starts parallel work
+later one: torch's count set to 1 (what later threads take), then this
+thread's own OpenMP and MKL counts set back to `n` through their per-thread
+settings. gloo's copies then run on the gloo thread alone, no team is
+started there, and the rank's own compute keeps its `n`. Where the build
+lacks what that needs (another OpenMP runtime, MKL without its per-thread
+setter, another platform) it falls back to `torch.set_num_threads(n)`.
+`shard()` over a group that communicates on the CPU keeps the calling
+thread's count the same way (`keep_for_this_thread`), for ranks started by
+other launchers.
+
+Limits: a thread the user starts later computes with one thread; torch's
+pthreadpool (QNNPACK, XNNPACK) keeps the count of 1 that torch's setter
+gives it; and a later `torch.set_num_threads(n)` hands gloo threads that
+have not yet copied anything `n` again.
 """
 
 from __future__ import annotations
