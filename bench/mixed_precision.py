@@ -46,7 +46,7 @@ from _common import (MODEL, Competitor, adamw, allgather_sent_bytes, fresh_model
                      median_step_s, profiled_step, resident_bytes, step_peak_bytes,
                      time_rounds, warm_up, write_results)
 from sharc.data import CharDataset
-from sharc.launch import launch
+from sharc.launch import configure_threads, launch
 
 FP32 = "sharc compiled fp32"
 GATHER_THEN_CAST = "sharc compiled bf16, gather then cast"
@@ -85,7 +85,7 @@ def _build(name: str) -> Competitor:
 
 def _rank_main(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    configure_threads(world)  # [Note: one thread for gloo's threads]
     data = CharDataset()
 
     def batch(step):

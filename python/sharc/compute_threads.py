@@ -71,8 +71,8 @@ def configure(threads: int) -> None:
     that start parallel work later (gloo's) with one. See the note above."""
     if threads < 1:
         raise ValueError(f"sharc: threads must be at least 1, got {threads}")
-    setters = _per_thread_setters()
-    if setters is None or threads == 1:
+    setters = None if threads == 1 else _per_thread_setters()
+    if setters is None:
         torch.set_num_threads(threads)
         return
     omp_set, mkl_set = setters

@@ -26,14 +26,14 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
 _SMALL = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB)
-_DECODER = dict(num_hidden_layers=2, max_position_embeddings=64, **_SMALL)
+_TWO_LAYERS = dict(num_hidden_layers=2, max_position_embeddings=64, **_SMALL)
 
 
 def _configs():
     """family -> (model class name, config); built when a test runs."""
     t = transformers
     return {
-        "bert": ("BertForMaskedLM", t.BertConfig(**_DECODER)),
+        "bert": ("BertForMaskedLM", t.BertConfig(**_TWO_LAYERS)),
         "roberta_classifier": ("RobertaForSequenceClassification", t.RobertaConfig(
             num_hidden_layers=2, max_position_embeddings=70, num_labels=3, **_SMALL)),
         "distilbert": ("DistilBertForMaskedLM", t.DistilBertConfig(
@@ -42,12 +42,12 @@ def _configs():
         "opt": ("OPTForCausalLM", t.OPTConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
             num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=32)),
-        "gpt_neox": ("GPTNeoXForCausalLM", t.GPTNeoXConfig(**_DECODER)),
-        "mistral": ("MistralForCausalLM", t.MistralConfig(num_key_value_heads=1, **_DECODER)),
-        "qwen2": ("Qwen2ForCausalLM", t.Qwen2Config(num_key_value_heads=1, **_DECODER)),
+        "gpt_neox": ("GPTNeoXForCausalLM", t.GPTNeoXConfig(**_TWO_LAYERS)),
+        "mistral": ("MistralForCausalLM", t.MistralConfig(num_key_value_heads=1, **_TWO_LAYERS)),
+        "qwen2": ("Qwen2ForCausalLM", t.Qwen2Config(num_key_value_heads=1, **_TWO_LAYERS)),
         "qwen2_moe": ("Qwen2MoeForCausalLM", t.Qwen2MoeConfig(
             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32, **_DECODER)),
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, **_TWO_LAYERS)),
         "bart": ("BartForConditionalGeneration", t.BartConfig(
             vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
@@ -55,15 +55,14 @@ def _configs():
         "bloom": ("BloomForCausalLM", t.BloomConfig(vocab_size=VOCAB, hidden_size=32,
                                                     n_layer=2, n_head=2)),
         "gemma": ("GemmaForCausalLM", t.GemmaConfig(num_key_value_heads=1, head_dim=16,
-                                                    **_DECODER)),
-        "phi": ("PhiForCausalLM", t.PhiConfig(**_DECODER)),
+                                                    **_TWO_LAYERS)),
+        "phi": ("PhiForCausalLM", t.PhiConfig(**_TWO_LAYERS)),
         "falcon": ("FalconForCausalLM", t.FalconConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)),
     }
 
 
-FAMILIES = ["bart", "bert", "bloom", "distilbert", "falcon", "gemma", "gpt_neox", "mistral",
-            "opt", "phi", "qwen2", "qwen2_moe", "roberta_classifier"]
+FAMILIES = sorted(_configs())
 COMPILED = ["bert", "qwen2_moe"]
 
 
