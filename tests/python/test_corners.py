@@ -1,9 +1,10 @@
 """The remaining corners of ordinary training code, each on 2 gloo ranks in
 eager and compiled mode against one unsharded process: several backward
 passes over one forward, gradients with respect to inputs only, gradient
-accumulation (with and without reducing every micro-batch), forwards
-without backward (no_grad, eval, dropped), part of the model compiled, and
-debug mode naming a parameter read after its release."""
+accumulation (with and without reducing every micro-batch), layers frozen
+and unfrozen between steps, forwards without backward (no_grad, eval,
+dropped), part of the model compiled, and debug mode naming a parameter
+read after its release."""
 
 import functools
 
@@ -210,6 +211,71 @@ def test_accumulation_equals_one_step_on_the_concatenated_batch(mode, sync_each)
         assert stats[-1]["gathered_bytes"] == stats[-1]["kept_gathered_bytes"]
         assert stats[-1]["unreduced_grad_bytes"] == 0
         assert stats[-1]["reduce_scatter_calls"] > 0
+
+
+# -- freezing and unfreezing between steps ------------------------------------------
+# Fine-tuning freezes layers for some steps and unfreezes them later: step
+# -> the prefixes of the parameters frozen in it (all trainable otherwise).
+FROZEN = {2: ("b.",), 3: ("a.", "b.")}
+FREEZE_STEPS = 6
+
+
+def _set_frozen(model, step):
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(FROZEN.get(step, ())))
+
+
+def _freezing(rank, world, mode, group=None):
+    import sharc
+
+    model, step_fn = _sharded(mode, group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, grads, left = [], [], []
+    for step in range(FREEZE_STEPS):
+        _set_frozen(model, step)
+        loss = step_fn(*batch(step, rank, world)).pow(2).mean()
+        loss.backward()
+        grads.append(_grads(model))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        left.append(gathered_beyond_kept(group))
+    return losses, grads, sharc.full_state_dict(model), left
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_freezing_and_unfreezing_layers_between_steps_matches_single_process(mode):
+    """requires_grad toggled between steps (the compiled graph recompiles on
+    the change): frozen shards get no gradient and stay put, with their
+    momentum kept for when they train again; every step matches one process."""
+    results = run_ranks(_freezing, 2, mode)
+    ref = make_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want_losses, want_grads = [], []
+    for step in range(FREEZE_STEPS):
+        _set_frozen(ref, step)
+        x = torch.cat([batch(step, r, 2)[0] for r in range(2)])
+        loss = ref(x).pow(2).mean()
+        loss.backward()
+        want_grads.append(_grads(ref))
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+    for step, want in enumerate(want_losses):
+        got = sum(r[0][step] for r in results) / 2
+        assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (step, got, want)
+    for rank, (_, grads, params, left) in enumerate(results):
+        for step, want in enumerate(want_grads):
+            for name, ref_grad in want.items():
+                if ref_grad is None:
+                    assert grads[step][name] is None, (step, name)
+                    continue
+                torch.testing.assert_close(grads[step][name], shard_of(ref_grad, rank, 2),
+                                           rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
+        assert left == [0] * FREEZE_STEPS, left
 
 
 def test_no_sync_sends_a_third_of_the_reduce_scatter_bytes():
