@@ -3,8 +3,8 @@ eager and compiled mode against one unsharded process: several backward
 passes over one forward, gradients with respect to inputs only, gradient
 accumulation (with and without reducing every micro-batch), layers frozen
 and unfrozen between steps, forwards without backward (no_grad, eval,
-dropped), part of the model compiled, and debug mode naming a parameter
-read after its release."""
+dropped; a TransformerEncoder's padded eval path), part of the model
+compiled, and debug mode naming a parameter read after its release."""
 
 import functools
 
@@ -514,6 +514,72 @@ def test_forwards_without_backward_leave_nothing_behind(mode):
             assert gathered == 0 and reductions == 0 and all(g is None for g in grads)
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6)
+
+
+def _encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+
+
+def _padded(step, rank):
+    """Each rank's own sequences, with padding at the end of two of them."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    mask[2, 1 + rank:] = True
+    return torch.randn(3, 5, 16, generator=g), mask
+
+
+def _dense(out):
+    return out.to_padded_tensor(0.0) if out.is_nested else out
+
+
+def _encoder_evaluated(rank, world, mode):
+    """A training step, then the encoder evaluated under no_grad and
+    inference_mode with a padding mask: its eval path for padded batches,
+    where in eager torch turns the batch into nested tensors. (Its fused
+    layer kernel is skipped for a layer with forward hooks, as sharc's
+    sharded layers have: measured, the layers then take their ordinary
+    path.)"""
+    import sharc
+
+    model = _encoder()
+    sharc.shard(model)
+    step = model if mode == "eager" else torch.compile(model, backend="sharc")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, mask = _padded(0, rank)
+    step(x, src_key_padding_mask=mask).masked_fill(mask[..., None], 0).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    x, mask = _padded(1, rank)
+    outs = []
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            outs.append(_dense(step(x, src_key_padding_mask=mask)).clone())
+    return outs, gathered_beyond_kept()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_transformer_encoder_evaluates_padded_batches_like_one_process(mode):
+    results = run_ranks(_encoder_evaluated, 2, mode)
+    ref = _encoder()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    parts = [_padded(0, r) for r in range(2)]
+    x, mask = (torch.cat(t) for t in zip(*parts))
+    loss = ref(x, src_key_padding_mask=mask).masked_fill(mask[..., None], 0).pow(2)
+    # The mean over both ranks' rows, as the ranks' averaged gradients give.
+    loss.mean().backward()
+    opt.step()
+    ref.eval()
+    for rank, (outs, left) in enumerate(results):
+        x, mask = _padded(1, rank)
+        with torch.no_grad():
+            want = _dense(ref(x, src_key_padding_mask=mask))
+        for out in outs:
+            torch.testing.assert_close(out[~mask], want[~mask], rtol=1e-4, atol=1e-5)
+        assert left == 0, left
 
 
 # -- part of the model compiled -----------------------------------------------------
