@@ -66,3 +66,80 @@ def test_module_state_dict_is_full_and_loads_full(compiled):
             assert torch.equal(v, out["before"]["blocks.0." + k]), k
         assert all(out["shard_loaded"].values())
         assert out["gathered"] == 0
+
+
+class _NormNet(torch.nn.Module):
+    """Parameters and buffers (running statistics), built where asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 3, bias=False)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.inp(x)))).pow(2).mean()
+
+
+def _load_state_dict_forms(rank, world, compiled):
+    """What a test written for one process does to copy a reference's
+    weights in: `load_state_dict(ref.state_dict())`, with assign=True too,
+    into a model sharded from real values and into one sharded from the meta
+    device (its buffers included); then a training step on both."""
+    import sharc
+
+    torch.manual_seed(1)
+    ref = _NormNet()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for meta in (False, True):
+        for assign in (False, True):
+            torch.manual_seed(0)
+            with torch.device("meta" if meta else "cpu"):
+                model = _NormNet()
+            sharc.shard(model)
+            shards = [id(p) for p in model.parameters()]
+            handle = torch.compile(model, backend="sharc") if compiled else model
+            prefix = "_orig_mod." if compiled else ""
+            # clones: assign=True makes the buffers the given tensors
+            result = handle.load_state_dict(
+                {prefix + k: v.clone() for k, v in ref.state_dict().items()}, assign=assign)
+            full = sharc.full_state_dict(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loss = handle(x)
+            loss.backward()
+            opt.step()
+            out[meta, assign] = {
+                "keys": (result.missing_keys, result.unexpected_keys),
+                "loaded": {k: torch.equal(full[k], v) for k, v in ref.state_dict().items()},
+                "same_shards": [id(p) for p in model.parameters()] == shards,
+                "loss": loss.item(), "after": sharc.full_state_dict(model)}
+    torch.manual_seed(0)
+    model = _NormNet()
+    sharc.shard(model)
+    bad = dict(ref.state_dict(), **{"out.weight": torch.zeros(4, 8)})
+    with pytest.raises(RuntimeError) as err:
+        model.load_state_dict(bad)
+    out["bad_shape"] = str(err.value)
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_load_state_dict_of_a_reference_with_assign_and_into_a_meta_built_model(compiled):
+    results = run_ranks(_load_state_dict_forms, 2, compiled)
+    for rank, out in enumerate(results):
+        for meta in (False, True):
+            for assign in (False, True):
+                got = out[meta, assign]
+                assert got["keys"] == ([], []), (meta, assign)
+                assert all(got["loaded"].values()), (meta, assign, got["loaded"])
+                assert got["same_shards"], (meta, assign)  # the optimizer's shards stay
+                # one step from the loaded values, each rank its own batch
+                ref_loss = results[rank][False, False]["loss"]
+                assert got["loss"] == pytest.approx(ref_loss, rel=1e-6), (meta, assign)
+                for k, v in results[rank][False, False]["after"].items():  # buffers: per rank
+                    torch.testing.assert_close(got["after"][k], v, rtol=1e-6, atol=1e-7)
+        # the parameter's own shape, not its flat shard's
+        assert ("size mismatch for out.weight: copying a param with shape torch.Size([4, 8]) "
+                "from checkpoint, the shape in current model is torch.Size([3, 8])"
+                in out["bad_shape"]), out["bad_shape"]

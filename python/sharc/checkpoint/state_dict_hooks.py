@@ -35,6 +35,8 @@ from sharc._state import ModuleState, state_of, unwrap_compiled
 
 def install(module: torch.nn.Module, state: ModuleState) -> None:
     """Hooks `module`'s state_dict and load_state_dict (its own parameters)."""
+    if state.root is not None:  # first: it runs before the root's own hook below
+        module.register_load_state_dict_pre_hook(_values_for_meta_built)
     if not state.refs:
         return
 
@@ -50,14 +52,28 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
                 state.schedule.checks.agree(_rank_check.MODULE_STATE_DICT, f"'{key}'", ref.pid)
                 state_dict[key] = ref.runtime.read_full(ref.pid)
 
-    def load_full_entries(_module, state_dict, prefix, *_) -> None:
+    def load_full_entries(_module, state_dict, prefix, local_metadata, _strict,
+                          _missing_keys, _unexpected_keys, error_msgs) -> None:
         if state.schedule.raw_state_dict:
             return
+        # load_state_dict(assign=True) assigns each entry as the parameter:
+        # the shard itself then, which the shard's own module accepts as an
+        # assignment that changes nothing (the values went into it here).
+        assign = local_metadata.get("assign_to_params_buffers", False)
         for local, ref in state.refs.items():
             key = prefix + local
             value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != ref.shape:
-                continue  # a shard, or a mismatch torch's own copy reports
+            if not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != ref.shape:
+                if tuple(value.shape) != tuple(ref.shard.shape):
+                    # torch's own message would name the flat shard's shape
+                    error_msgs.append(
+                        f"size mismatch for {key}: copying a param with shape "
+                        f"{value.shape} from checkpoint, the shape in current model is "
+                        f"{torch.Size(ref.shape)}.")
+                    state_dict[key] = ref.shard if assign else ref.shard.detach()
+                continue  # else a rank's own shard, for torch's own copy
             fulls = state.schedule.unsharded
             if fulls is not None:  # inside sharc.unsharded(): loaded as any write there
                 with torch.no_grad():
@@ -68,10 +84,41 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
                                         _rank_check.checksum({key: value}))
             with torch.no_grad():
                 ref.runtime.load_full(ref.pid, value)
-            state_dict[key] = ref.shard.detach()
+            state_dict[key] = ref.shard if assign else ref.shard.detach()
 
     module.register_state_dict_post_hook(full_entries)
     module.register_load_state_dict_pre_hook(load_full_entries)
+
+
+def _values_for_meta_built(module, state_dict, prefix, local_metadata, strict, *_) -> None:
+    """`load_state_dict()` of every parameter and buffer into a root sharded
+    from the meta device is sharc.load_full_state_dict: its buffers, still on
+    the meta device, are allocated and loaded too, and the model then has its
+    values (forward runs). The entries are replaced by the model's own
+    tensors, so torch's copies (or assignments, assign=True) change nothing.
+    A load of only some keys (strict=False) is left to torch: the parameters
+    it names are loaded, and forward still asks for the rest."""
+    root = state_of(module).root
+    if root.pending_init is None or state_of(module).schedule.raw_state_dict:
+        return
+    from sharc.checkpoint.load import load  # it imports this module
+
+    own = own_state_dict(module)
+    given = {key[len(prefix):]: value for key, value in state_dict.items()
+             if key.startswith(prefix)}
+    if not strict:
+        if not set(own) <= set(given):
+            return
+        given = {key: value for key, value in given.items() if key in own}
+    for key, value in given.items():  # torch's copy_ would convert, as here
+        if (key in own and isinstance(value, torch.Tensor) and value.dtype != own[key].dtype
+                and value.is_floating_point() and own[key].is_floating_point()):
+            given[key] = value.to(own[key].dtype)
+    load(module, given)
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    for key, value in own_state_dict(module).items():  # buffers allocated since
+        if prefix + key in state_dict:
+            state_dict[prefix + key] = value if assign else value.detach()
 
 
 @contextlib.contextmanager
