@@ -187,6 +187,13 @@ def _misuse(rank, world):
     e["forward"] = _error(lambda: model(x))
     e["compiled"] = _error(lambda: torch.compile(model, backend="sharc")(x))
     e["full_state_dict"] = _error(lambda: sharc.full_state_dict(model))
+    # FSDP2's idiom (to_empty, then each module's reset_parameters()) would put
+    # new tensors in the shards' .data: refused before any changes
+    shards = [(p, p.data_ptr()) for p in model.parameters()]
+    e["to_empty"] = _error(lambda: model.to_empty(device="cpu"))
+    e["to_empty_compiled"] = _error(
+        lambda: torch.compile(model, backend="sharc").to_empty(device="cpu"))
+    e["to_empty_untouched"] = all(p.data_ptr() == ptr for p, ptr in shards)
     e["init_fn_type"] = _error(lambda: sharc.init_weights(model, init_fn=3))
     sharc.init_weights(model, init_fn=model._init_weights)
     e["early_step"] = _error(early.step)
@@ -223,6 +230,14 @@ def test_misuse_of_a_meta_built_model_says_what_and_how_to_fix():
         assert e["compiled"][0] == "RuntimeError" and fix in e["compiled"][1]
         assert e["full_state_dict"][1].startswith("sharc: sharc.full_state_dict was called "
                                                   "before the model built on the meta device")
+        for case in ("to_empty", "to_empty_compiled"):
+            assert e[case][0] == "RuntimeError", case
+            assert e[case][1].startswith(
+                "sharc: Module.to_empty() (or another conversion that allocates new tensors) "
+                "cannot replace the sharded parameter 'wte.weight' after sharc.shard(): its "
+                "shard is already allocated on cpu"), e[case]
+            assert "sharc.init_weights(model)" in e[case][1]
+        assert e["to_empty_untouched"]  # so init_weights below still initialises the model
         assert e["init_fn_type"] == ("TypeError", "sharc.init_weights: init_fn must be "
                                      "callable (module -> None) or None, got 3")
         assert e["early_step"] == (

@@ -94,7 +94,8 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
             refs.extend(state.refs.values())
     for ref in refs:
         shard = ref.shard
-        probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+        given = torch.empty(0, dtype=shard.dtype, device=shard.device)
+        probe = fn(given)
         if probe.dtype != shard.dtype or probe.device != shard.device:
             raise RuntimeError(
                 f"sharc: cannot move or cast the sharded parameter '{ref.fqn}' "
@@ -102,6 +103,22 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
                 "sharc.shard(): convert the model before shard(), or compute in a lower "
                 "precision with mixed precision (ShardConfig(mixed_precision="
                 "sharc.MixedPrecision(param_dtype=...))) or torch.autocast")
+        # A conversion to the shard's own dtype and device gives the tensor
+        # back; one that makes a new tensor (Module.to_empty: torch.empty_like)
+        # would put it in the shard's `.data`, where the runtime no longer
+        # finds the shard it registered (an error at the next gather, naming
+        # `.data`). Traced code (HF's `.to()` in forward) makes new proxies
+        # for no-op conversions too, so only eager calls are judged.
+        if probe is not given and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"sharc: Module.to_empty() (or another conversion that allocates new "
+                f"tensors) cannot replace the sharded parameter '{ref.fqn}' after "
+                f"sharc.shard(): its shard is already allocated on {shard.device}, also "
+                "for a model built on the meta device. Leave out to_empty(), and give the "
+                "parameters their values with sharc.init_weights(model) (what each module's "
+                "reset_parameters() draws) or sharc.load_full_state_dict(model, ...); to "
+                "change them with your own code, write them inside `with "
+                "sharc.unsharded(model, writeback=True):`")
     return super(type(module), module)._apply(fn, recurse)
 
 
