@@ -121,6 +121,13 @@ def _load_state_dict_forms(rank, world, compiled):
     with pytest.raises(RuntimeError) as err:
         model.load_state_dict(bad)
     out["bad_shape"] = str(err.value)
+    with torch.device("meta"):
+        model = _NormNet()
+    sharc.shard(model)
+    partial = {k: v for k, v in ref.state_dict().items() if k != "out.weight"}
+    with pytest.raises(RuntimeError) as err:  # torch's own report
+        model.load_state_dict(partial)
+    out["meta_missing"] = str(err.value)
     return out
 
 
@@ -143,3 +150,4 @@ def test_load_state_dict_of_a_reference_with_assign_and_into_a_meta_built_model(
         assert ("size mismatch for out.weight: copying a param with shape torch.Size([4, 8]) "
                 "from checkpoint, the shape in current model is torch.Size([3, 8])"
                 in out["bad_shape"]), out["bad_shape"]
+        assert 'Missing key(s) in state_dict: "out.weight"' in out["meta_missing"]
