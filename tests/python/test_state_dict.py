@@ -128,6 +128,13 @@ def _load_state_dict_forms(rank, world, compiled):
     with pytest.raises(RuntimeError) as err:  # torch's own report
         model.load_state_dict(partial)
     out["meta_missing"] = str(err.value)
+    torch.manual_seed(0)
+    model = _NormNet()
+    sharc.shard(model)
+    with sharc.unsharded(model, writeback=True):
+        model.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, assign=True)
+    full = sharc.full_state_dict(model)
+    out["unsharded_assign"] = {k: torch.equal(full[k], v) for k, v in ref.state_dict().items()}
     return out
 
 
@@ -151,3 +158,4 @@ def test_load_state_dict_of_a_reference_with_assign_and_into_a_meta_built_model(
                 "from checkpoint, the shape in current model is torch.Size([3, 8])"
                 in out["bad_shape"]), out["bad_shape"]
         assert 'Missing key(s) in state_dict: "out.weight"' in out["meta_missing"]
+        assert all(out["unsharded_assign"].values()), out["unsharded_assign"]

@@ -78,7 +78,8 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
             if fulls is not None:  # inside sharc.unsharded(): loaded as any write there
                 with torch.no_grad():
                     fulls[ref.pid].copy_(value)
-                state_dict[key] = fulls[ref.pid].detach()
+                # the shard stands for its full tensor there (_shards_as_full.py)
+                state_dict[key] = ref.shard if assign else fulls[ref.pid].detach()
                 continue
             state.schedule.checks.agree(_rank_check.MODULE_LOAD_STATE_DICT, f"'{key}'",
                                         _rank_check.checksum({key: value}))
