@@ -22,8 +22,9 @@ class MixedPrecision:
 
     param_dtype: torch.dtype | None = None
     """The dtype of gathered parameters, which forward computes with;
-    floating-point inputs to the root module's forward are cast to it.
-    Integer and bool parameters keep their own dtype."""
+    floating-point inputs to the root module's forward are cast to it
+    (unless cast_forward_inputs is False). Integer and bool parameters keep
+    their own dtype."""
 
     reduce_dtype: torch.dtype | None = None
     """The dtype gradients are summed over ranks in (default: param_dtype).
@@ -31,6 +32,11 @@ class MixedPrecision:
 
     output_dtype: torch.dtype | None = None
     """Floating-point outputs of the root module's forward are cast to it."""
+
+    cast_forward_inputs: bool = True
+    """Cast the floating-point inputs of the root module's forward to
+    param_dtype. False hands them over as given, for a forward that casts
+    its inputs itself or keeps some in full precision (a mask, a timestep)."""
 
     full_precision_modules: tuple[type, ...] = (torch.nn.modules.batchnorm._BatchNorm,)
     """Modules whose parameters are gathered in their own dtype whatever
@@ -46,6 +52,9 @@ class MixedPrecision:
             if value is not None and not isinstance(value, torch.dtype):
                 raise TypeError(f"MixedPrecision.{name} must be a torch.dtype (such as "
                                 f"torch.bfloat16) or None, got {value!r}")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError("MixedPrecision.cast_forward_inputs must be a bool, got "
+                            f"{self.cast_forward_inputs!r}")
         modules = self.full_precision_modules
         if not (isinstance(modules, tuple) and all(isinstance(m, type) and
                                                   issubclass(m, torch.nn.Module)
@@ -102,10 +111,10 @@ def _check_narrowing(fqn: str, master: torch.dtype, field: str, dtype: torch.dty
 
 
 def install_casts(root: torch.nn.Module, policy: MixedPrecision) -> None:
-    """Casts the root forward's floating inputs to param_dtype and its
-    floating outputs to output_dtype."""
+    """Casts the root forward's floating inputs to param_dtype (if
+    cast_forward_inputs) and its floating outputs to output_dtype."""
     param_dtype, output_dtype = policy.param_dtype, policy.output_dtype
-    if param_dtype is not None:
+    if param_dtype is not None and policy.cast_forward_inputs:
         root.register_forward_pre_hook(
             lambda _, args, kwargs: (_cast_floats(args, param_dtype),
                                      _cast_floats(kwargs, param_dtype)),

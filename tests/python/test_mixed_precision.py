@@ -466,6 +466,40 @@ def test_inputs_frozen_integer_and_buffers():
     assert out_dtype == torch.float32  # output_dtype
 
 
+class _CastsItsOwnInput(nn.Module):
+    """Records the dtype its forward is given, then casts the input itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = x.dtype
+        return self.fc(x.to(self.fc.weight.dtype))
+
+
+def _input_casts(rank, world, cast, mode):
+    import sharc
+
+    model = _CastsItsOwnInput()
+    sharc.shard(model, config=sharc.ShardConfig(mixed_precision=sharc.MixedPrecision(
+        param_dtype=BF16, cast_forward_inputs=cast)))
+    run = torch.compile(model, backend="sharc") if mode == "compiled" else model
+    out = run(torch.randn(2 + rank, 4))
+    out.float().sum().backward()
+    return model.seen, out.dtype, dict(model.named_parameters())["fc.weight"].grad.dtype
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_cast_forward_inputs_false_hands_inputs_over_as_given(mode):
+    for cast, given in ((True, BF16), (False, torch.float32)):
+        for seen, out_dtype, grad_dtype in run_ranks(_input_casts, 2, cast, mode):
+            assert seen == given, (cast, seen)
+            assert out_dtype == BF16 and grad_dtype == torch.float32
+
+
 def _bad_policies(rank, world):
     import sharc
 
@@ -500,6 +534,8 @@ def test_policy_fields_must_be_dtypes():
         sharc.MixedPrecision(param_dtype="bf16")
     with pytest.raises(ValueError, match="output_dtype must be a floating-point dtype"):
         sharc.MixedPrecision(output_dtype=torch.int64)
+    with pytest.raises(TypeError, match="cast_forward_inputs must be a bool"):
+        sharc.MixedPrecision(cast_forward_inputs="no")
 
 
 # ---------------------------------------------- fp16 with a loss scaler
