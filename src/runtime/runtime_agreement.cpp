@@ -25,7 +25,10 @@ const char* const kDivergedAdvice =
     "routing) must be named in ShardConfig.gather_units. A gather unit joins backward only "
     "on ranks where a gradient reaches its output, so on every rank its output must "
     "depend on its parameters and reach the loss (a unit given no rows on one rank, whose "
-    "output there is a constant, parts the ranks)";
+    "output there is a constant, parts the ranks). Eager, an output of a module every "
+    "rank runs must likewise reach the loss on every rank or on none: a term some ranks "
+    "leave out of their loss (an auxiliary loss their data skips) is added there as "
+    "`loss + 0 * aux`, so that its backward runs with a zero gradient";
 
 }  // namespace
 

@@ -435,6 +435,60 @@ def test_a_unit_given_no_rows_on_one_rank_is_named_as_the_cause():
         assert "A gather unit joins backward only on ranks where a gradient reaches its " \
             "output" in message, message
 
+class _WithAuxHead(torch.nn.Module):
+    """A main output and an auxiliary one, both computed on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 4)
+        self.aux = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return h.pow(2).mean(), self.aux(h).mean()
+
+
+def _aux_loss_on_rank_0_only(rank, world, zero_elsewhere):
+    """Rank 0 adds the auxiliary loss, rank 1 leaves it out (or adds 0 * aux,
+    the workaround the error names); one SGD step, then the full weights."""
+    import sharc
+
+    def batch(r):
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+
+    def loss_of(model, r):
+        main, aux = model(batch(r))
+        return main + aux if r == 0 else (main + 0 * aux if zero_elsewhere else main)
+
+    model = _WithAuxHead()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    try:
+        loss_of(model, rank).backward()
+    except RuntimeError as e:
+        return str(e)
+    opt.step()
+    reference = _WithAuxHead()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for r in range(world):  # one process: the mean of the ranks' losses
+        (loss_of(reference, r) / world).backward()
+    ref_opt.step()
+    full = sharc.full_state_dict(model)
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def test_an_output_some_ranks_leave_out_of_the_loss_names_the_zero_term_workaround():
+    """Eager: a module's output that reaches the loss on one rank only parts
+    the ranks' backward collectives; the error names `loss + 0 * aux`, and
+    with it the step matches one process."""
+    for message in run_ranks(_aux_loss_on_rank_0_only, 2, False, timeout=150):
+        assert isinstance(message, str) and "the ranks diverged" in message, message
+        assert "`loss + 0 * aux`" in message, message
+    for error in run_ranks(_aux_loss_on_rank_0_only, 2, True, timeout=150):
+        assert error < 1e-6, error
+
+
 def _switch_transformer(rank, world, mode, units):
     import sharc
 
