@@ -9,6 +9,7 @@ import torch
 
 from sharc import _mesh
 from sharc._library import Runtime
+from sharc._retired import DEAD_SHARDS
 from sharc._state import sharded_root
 
 
@@ -75,8 +76,13 @@ def memory_stats(group=None) -> dict[str, int]:
     replicate group's all-reduces (bytes a ring all-reduce sends from each
     rank: 2 (R-1)/R of the payload, exact for R = 2), all_reduce_header_bytes
     their headers, replicate_size is R, and unreplicated_grad_bytes the shard
-    sums held back by no_sync(replicate_only=True)."""
+    sums held back by no_sync(replicate_only=True).
+
+    A deleted model's bytes leave these figures (and memory) once its
+    shards die, that is once the model, its optimizer and any autograd
+    graph that reads them are gone (`del model, opt; gc.collect()`)."""
     group = _mesh.shard_group_of(group, "sharc")
+    DEAD_SHARDS.retire()
     return dict(_runtime(group).stats())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
 from sharc._pending_init import AWAITING as AWAITING_INIT, PendingInit, refuse as refuse_unset
 from sharc._rank_check import RankCheck
+from sharc._retired import DEAD_SHARDS
 from sharc._state import ModuleState, _ShardedRoot, unwrap_compiled
 from sharc.checkpoint import state_dict_hooks
 from sharc.config import ShardConfig
@@ -90,6 +92,7 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
         raise TypeError(f"sharc.shard(): config must be a sharc.ShardConfig, got {config!r}")
+    DEAD_SHARDS.retire()  # a model deleted before this one: its bytes first
     groups = _mesh.resolve(group, mesh, config)
     group = groups.shard
     _validate.check_not_sharded(module)
@@ -225,6 +228,9 @@ def _register(runtime, group_name: str, named, dtypes,
             pid = runtime.register_empty(list(p.shape), p.dtype, device, fqn)
         shard = torch.nn.Parameter(runtime.shard(pid), requires_grad=p.requires_grad)
         runtime.set_parameter(pid, shard)
+        # When the parameter dies (model and optimizer deleted), the runtime
+        # gives its bytes back ([Note: retired parameters]); not at exit.
+        weakref.finalize(shard, DEAD_SHARDS.note, runtime, pid).atexit = False
         # What code set on the parameter (Mamba's `_no_weight_decay`, tags
         # that build optimizer groups) goes on with it: optimizers are built
         # from the shards.

@@ -11,6 +11,12 @@ void MemoryAccounting::add_shard(int64_t bytes) {
   stats_.shard_bytes += bytes;
 }
 
+void MemoryAccounting::remove_shard(int64_t bytes) {
+  SHARC_CHECK(bytes >= 0 && bytes <= stats_.shard_bytes, "sharc accounting: removing ", bytes,
+              " shard bytes but only ", stats_.shard_bytes, " are held");
+  stats_.shard_bytes -= bytes;
+}
+
 void MemoryAccounting::on_gathered(int64_t bytes) {
   SHARC_CHECK(bytes >= 0, "gathered bytes cannot be negative (", bytes, ")");
   stats_.gathered_bytes += bytes;

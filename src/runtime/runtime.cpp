@@ -228,6 +228,9 @@ bool Runtime::needs_gather(const ShardedParam& p, c10::ScalarType dtype) const {
 }
 
 void Runtime::claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype) {
+  SHARC_CHECK(!p.retired, "sharc: '", p.name, "' was given back when its nn.Parameter was "
+              "deleted (its model and optimizer are gone), so it cannot be gathered; keep the "
+              "model alive while its forward or backward runs");
   c10::Storage storage = p.base.storage();
   if (p.state.state() == ParamState::Gathered) {
     p.state.begin_refresh();  // persistent: gathered again into the buffer it keeps
@@ -1205,6 +1208,41 @@ std::vector<int64_t> Runtime::drop_unheld_locked(const std::vector<int64_t>& ids
   return dropped;
 }
 
+// [Note: retired parameters]
+// A deleted model (and its optimizer) leaves nothing that can read its
+// shards again: the nn.Parameter made of a shard is what every path reads
+// through (forward, the optimizer, autograd's leaf, a compiled graph's
+// input, the eager saved-tensor handles, which keep it alive), so its death
+// retires the parameter here: a Python finalizer notes it, and the next
+// shard() or memory_stats() calls this (_retired.py: a finalizer may run
+// where this runtime holds its lock). Its shard and,
+// for a persistent parameter, its gathered buffer are given back, and
+// memory_stats() stops counting them. The record stays, its shard empty, so
+// ids stay dense. One with work still in flight (a gather, no_sync sums, a
+// hold) is left as it is: nothing is freed under a collective.
+bool Runtime::retire(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (id < 0 || id >= static_cast<int64_t>(params_.size())) return false;  // another group's
+  ShardedParam& p = *params_[id];
+  if (p.retired || p.pending || p.unreduced.defined() || p.unreplicated.defined()) return false;
+  const ParamState s = p.state.state();
+  if (s == ParamState::Gathered) {
+    if (p.state.holds() != 0) return false;
+    p.state.set_persistent(false);
+    p.state.acquire();  // the state machine frees through the last hold
+    p.state.release();
+    p.free_base();
+    accounting_.on_freed(p.full_bytes());
+  } else if (s != ParamState::Sharded && s != ParamState::Released) {
+    return false;
+  }
+  accounting_.remove_shard(p.shard.numel() * static_cast<int64_t>(p.shard.element_size()));
+  p.shard = at::empty({0}, p.shard.options());
+  p.handed_out.clear();
+  p.retired = true;
+  return true;
+}
+
 void Runtime::set_persistent(int64_t id, bool persistent) {
   std::lock_guard<std::mutex> lock(mutex_);
   param(id).state.set_persistent(persistent);
@@ -1301,6 +1339,7 @@ c10::Dict<std::string, int64_t> Runtime::stats() {
   int64_t kept = 0, headers = 0;
   for (size_t id = 0; id < params_.size(); ++id) {
     const auto& p = params_[id];
+    if (p->retired) continue;  // its shard's header went with it
     headers += kHeaderBytes;
     const ParamState s = p->state.state();
     if (s == ParamState::Sharded || s == ParamState::Released) continue;

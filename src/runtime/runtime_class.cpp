@@ -50,6 +50,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
            })
       .def("reduce_scatter", &sharc::Runtime::reduce_scatter)
       .def("set_persistent", &sharc::Runtime::set_persistent)
+      .def("retire", &sharc::Runtime::retire)
       .def("is_persistent", &sharc::Runtime::is_persistent)
       .def("note_shards_written", &sharc::Runtime::note_shards_written)
       .def("held_back", &sharc::Runtime::held_back)

@@ -19,6 +19,17 @@ TEST(MemoryAccounting, TracksGatheredAndPeak) {
   EXPECT_EQ(a.stats().shard_bytes, 100);
 }
 
+TEST(MemoryAccounting, RemovesARetiredShardButNeverBelowZero) {
+  MemoryAccounting a;
+  a.add_shard(100);
+  a.add_shard(60);
+  a.remove_shard(100);
+  EXPECT_EQ(a.stats().shard_bytes, 60);
+  EXPECT_THROW(a.remove_shard(61), Error);
+  EXPECT_THROW(a.remove_shard(-1), Error);
+  EXPECT_EQ(a.stats().shard_bytes, 60);
+}
+
 TEST(MemoryAccounting, ResetKeepsLiveBytesAndClearsCounters) {
   MemoryAccounting a;
   a.on_gathered(500);

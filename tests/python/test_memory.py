@@ -70,3 +70,62 @@ def test_host_memory_budget_keeps_the_model_gathered_when_the_host_has_room():
         lean_forward, lean_step = leaner[1]
         assert lean_step["kept_gathered_bytes"] < block_bytes
         assert lean_step["allgather_bytes"] > lean_forward["allgather_bytes"]
+
+
+def _model_with_a_frozen_layer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+def _deleted_models(rank, world, compiled):
+    """Builds, trains and deletes a sharded model twice; then deletes one
+    between its forward and its backward, which must still run."""
+    import gc
+
+    import sharc
+
+    def stats():
+        s = sharc.memory_stats()
+        return s["shard_bytes"], s["gathered_bytes"], s["kept_gathered_bytes"]
+
+    before, rounds = stats(), []
+    for _ in range(2):
+        model = _model_with_a_frozen_layer()
+        sharc.shard(model)
+        opt = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+        run = torch.compile(model, backend="sharc") if compiled else model
+        for step in range(2):
+            run(torch.randn(3 + step + rank, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        live = stats()
+        del model, opt, run
+        gc.collect()
+        rounds.append((live, stats()))
+    model = _model_with_a_frozen_layer()
+    sharc.shard(model)
+    loss = model(torch.randn(2, 16)).pow(2).mean()
+    shard = dict(model.named_parameters())["2.weight"]
+    del model
+    gc.collect()
+    loss.backward()  # the frozen weight is gathered again for it
+    grad = shard.grad.clone()
+    del loss, shard
+    gc.collect()
+    return before, rounds, stats(), grad.abs().sum().item()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_deleted_model_gives_its_shards_and_kept_buffers_back(compiled):
+    """`del model, opt` frees what sharc held for them (memory_stats() back
+    to where it was before shard()), as a sweep of models in one process
+    needs; a backward whose model was deleted after its forward still runs."""
+    for before, rounds, end, grad in run_ranks(_deleted_models, 2, compiled):
+        for live, after in rounds:
+            assert live[0] > before[0], (live, before)
+            assert after == before, (after, before)
+        if compiled:
+            assert any(live[2] > 0 for live, _ in rounds), rounds  # it kept some gathered
+        assert end == before and grad > 0, (end, before, grad)

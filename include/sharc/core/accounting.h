@@ -48,6 +48,7 @@ struct MemoryStats {
 class MemoryAccounting {
  public:
   void add_shard(int64_t bytes);
+  void remove_shard(int64_t bytes);  ///< a retired parameter's shard
   void on_gathered(int64_t bytes);
   /// Throws sharc::Error if more bytes are freed than are gathered.
   void on_freed(int64_t bytes);

@@ -138,6 +138,9 @@ struct ShardedParam {
   /// In a gather unit: its gradient always waits in `unreduced` until the
   /// unit's reduction (flush_unit), never reduced on its own.
   bool deferred = false;
+  /// Its nn.Parameter died: the shard and any buffer are given back
+  /// (Runtime::retire, [Note: retired parameters]).
+  bool retired = false;
   /// The .grad of the user's parameter when the last backward that held a
   /// sum here ended ([Note: gradients held by no_sync]): a .grad set to
   /// None or replaced by hand since then drops the held sum.
@@ -432,6 +435,11 @@ class Runtime : public torch::CustomClassHolder {
   /// changed since its gather started (an optimizer step between two
   /// passes): it would serve old values.
   void give_up_changed_ahead(GatherOrder& order);
+
+  /// Gives back the shard and any gathered buffer of `id`, whose
+  /// nn.Parameter died; false (nothing done) for one with work in flight.
+  /// [Note: retired parameters]
+  bool retire(int64_t id);
 
   /// Keep a parameter gathered at zero holds (selective unsharding).
   void set_persistent(int64_t id, bool persistent);

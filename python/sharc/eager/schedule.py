@@ -376,6 +376,11 @@ class EagerSchedule:
                  reduce_bucket_bytes: int = 4 << 20, tied_ids: set[int] = frozenset()):
         self._runtime = refs[0].runtime if refs else None
         self._root = next(_ROOT_KEYS)
+        # The saved-tensor handles keep this schedule, and through it the
+        # shards they gather again in backward, alive: a backward may outlive
+        # the model (`loss = model(x); del model; loss.backward()`), and a
+        # dead shard is given back ([Note: retired parameters]).
+        self._shards = tuple(r.shard for r in refs)
         if self._runtime is not None:  # gather units gather on their own
             # Tied parameters are held for the whole forward pass (see
             # [Note: eager holds]).
