@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 #include <set>
+#include <unordered_set>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -396,9 +397,13 @@ void Runtime::start_gather(const std::vector<int64_t>& ids,
 void Runtime::start_gathers_locked(const std::vector<int64_t>& ids,
                                    std::optional<c10::ScalarType> dtype) {
   // Those needing a gather, grouped by dtype in first-seen order: a
-  // collective carries one dtype.
+  // collective carries one dtype. Each once: a graph's prefetch point may
+  // start several recorded steps that read one parameter (a tied weight read
+  // in two graphs after it), and needs_gather sees none of them started yet.
   std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> by_dtype;
+  std::unordered_set<int64_t> seen;
   for (int64_t id : ids) {
+    if (!seen.insert(id).second) continue;
     const ShardedParam& p = param(id);
     const c10::ScalarType want = dtype.value_or(p.spec.gather_dtype);
     if (!needs_gather(p, want)) continue;

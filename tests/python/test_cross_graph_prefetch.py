@@ -215,3 +215,83 @@ def test_graphs_that_read_an_earlier_graphs_output_through_eager_code_prefetch_e
         assert out["prefetches"][1:] == [3] * (STEPS - 1), out["prefetches"]
         assert out["gathers"][1:] == [out["gathers"][1]] * (STEPS - 1)
         assert out["gathers"][1] <= out["gathers"][0]
+
+
+class _TiedAcrossGraphs(torch.nn.Module):
+    """An embedding whose weight a later graph reads again (a tied output
+    head, as transformers' models tie them), with graph breaks between the
+    first graph and both readers: the first graph's prefetch point starts
+    the next two graphs' buckets, which share that weight."""
+
+    def __init__(self, width=16, vocab=20):
+        super().__init__()
+        self.fc_in = torch.nn.Linear(8, width)
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.mid = torch.nn.Linear(width, width)
+
+    def forward(self, x, ids):
+        h = torch.tanh(self.fc_in(x))
+        torch._dynamo.graph_break()
+        h = h + self.emb(ids)
+        torch._dynamo.graph_break()
+        return torch.tanh(self.mid(h)) @ self.emb.weight.t()
+
+
+def _tied_batch(step, rank):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return (torch.randn(2, 3, 8, generator=g), torch.randint(0, 20, (2, 3), generator=g),
+            torch.randint(0, 20, (2, 3), generator=g))
+
+
+def _tied_loss(model, x, ids, target):
+    return torch.nn.functional.cross_entropy(model(x, ids).flatten(0, 1), target.flatten())
+
+
+def _train_tied(rank, world, compiled):
+    import sharc
+
+    torch.manual_seed(0)
+    model = _TiedAcrossGraphs()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = torch.compile(model, backend="sharc") if compiled else model
+    out = {"losses": [], "left": []}
+    for step in range(STEPS):
+        sharc.reset_memory_stats()
+        loss = _tied_loss(run, *_tied_batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = sharc.memory_stats()
+        out["losses"].append(loss.item())
+        out["left"].append(stats["gathered_bytes"] - stats["kept_gathered_bytes"])
+    return out
+
+
+def _tied_both(rank, world):
+    return {mode: _train_tied(rank, world, mode == "compiled") for mode in ("eager", "compiled")}
+
+
+def test_a_weight_read_by_two_graphs_ahead_is_gathered_once_at_a_time():
+    """The buckets a prefetch point starts are gathered in one collective
+    per dtype; a parameter two of them share (a tied embedding read again
+    by a later graph) is in it once: the second step crashed with "cannot
+    start gathering parameter 'emb.weight': it is gathering"."""
+    outs = run_ranks(_tied_both, 2)
+    torch.manual_seed(0)
+    ref = _TiedAcrossGraphs()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for step in range(STEPS):
+        x, ids, target = (torch.cat(t) for t in zip(*(_tied_batch(step, r) for r in range(2))))
+        loss = _tied_loss(ref, x, ids, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for mode in ("eager", "compiled"):
+        got = [sum(pair) / 2 for pair in zip(*(out[mode]["losses"] for out in outs))]
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 1e-5 * abs(w), (mode, got, want)
+        for out in outs:
+            assert out[mode]["left"] == [0] * STEPS
