@@ -22,7 +22,7 @@ from sharc._pending_init import AWAITING as AWAITING_INIT, PendingInit, refuse a
 from sharc._rank_check import RankCheck
 from sharc._retired import DEAD_SHARDS
 from sharc._state import ModuleState, _ShardedRoot, unwrap_compiled
-from sharc.checkpoint import state_dict_hooks
+from sharc.checkpoint import load, state_dict_hooks
 from sharc.config import ShardConfig
 from sharc.eager import full_param_access
 from sharc.eager.schedule import EagerSchedule
@@ -150,6 +150,8 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
     for sub, refs in per_module.items():
         state = ModuleState(refs, schedule, root if sub is module else None)
         full_param_access.install(sub, state)
+        if sub is module:  # before state_dict_hooks' own: a meta-built root loads whole
+            sub.register_load_state_dict_pre_hook(load.values_for_meta_built)
         state_dict_hooks.install(sub, state)
         sub.register_forward_pre_hook(schedule.forward_pre_hook)
         sub.register_forward_hook(schedule.forward_hook, always_call=True)

@@ -175,3 +175,33 @@ def _recompute(buffers: MetaBuffers, model) -> None:
     with torch.no_grad():
         for _, _, how in _recompute_plan(buffers, model):
             how()
+
+
+def values_for_meta_built(module, state_dict, prefix, local_metadata, *_) -> None:
+    """A root's load_state_dict pre-hook, registered before state_dict_hooks'
+    own (shard()): `load_state_dict()` of every parameter and buffer into a root sharded
+    from the meta device is sharc.load_full_state_dict: its buffers, still on
+    the meta device, are allocated and loaded too, and the model then has its
+    values (forward runs). The entries are replaced by the model's own
+    tensors, so torch's copies (or assignments, assign=True) change nothing.
+    A load of only some keys is left to torch (it reports the missing ones
+    if strict): the parameters it names are loaded, and forward still asks
+    for the rest; unexpected keys torch reports as usual."""
+    root = state_of(module).root
+    if root.pending_init is None or state_of(module).schedule.raw_state_dict:
+        return
+    own = own_state_dict(module)
+    given = {key[len(prefix):]: value for key, value in state_dict.items()
+             if key.startswith(prefix)}
+    if not set(own) <= set(given):
+        return  # torch reports the missing keys (strict) or loads what is given
+    given = {key: value for key, value in given.items() if key in own}  # torch reports the rest
+    for key, value in given.items():  # torch's copy_ would convert, as here
+        if (key in own and isinstance(value, torch.Tensor) and value.dtype != own[key].dtype
+                and value.is_floating_point() and own[key].is_floating_point()):
+            given[key] = value.to(own[key].dtype)
+    load(module, given)
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    for key, value in own_state_dict(module).items():  # buffers allocated since
+        if prefix + key in state_dict:
+            state_dict[prefix + key] = value if assign else value.detach()
