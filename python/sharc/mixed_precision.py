@@ -33,11 +33,6 @@ class MixedPrecision:
     output_dtype: torch.dtype | None = None
     """Floating-point outputs of the root module's forward are cast to it."""
 
-    cast_forward_inputs: bool = True
-    """Cast the floating-point inputs of the root module's forward to
-    param_dtype. False hands them over as given, for a forward that casts
-    its inputs itself or keeps some in full precision (a mask, a timestep)."""
-
     full_precision_modules: tuple[type, ...] = (torch.nn.modules.batchnorm._BatchNorm,)
     """Modules whose parameters are gathered in their own dtype whatever
     `param_dtype` says (their gradients are reduced like every other). By default the batch norms: their
@@ -45,6 +40,12 @@ class MixedPrecision:
     take a narrow input beside wide weights and statistics but not narrow
     weights beside wide statistics, and the statistics need the width. `()`
     casts every module."""
+
+    # Last, so that fields given by position keep their places.
+    cast_forward_inputs: bool = True
+    """Cast the floating-point inputs of the root module's forward to
+    param_dtype. False hands them over as given, for a forward that casts
+    its inputs itself or keeps some in full precision (a mask, a timestep)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
