@@ -229,9 +229,6 @@ bool Runtime::needs_gather(const ShardedParam& p, c10::ScalarType dtype) const {
 }
 
 void Runtime::claim_buffer_locked(ShardedParam& p, c10::ScalarType dtype) {
-  SHARC_CHECK(!p.retired, "sharc: '", p.name, "' was given back when its nn.Parameter was "
-              "deleted (its model and optimizer are gone), so it cannot be gathered; keep the "
-              "model alive while its forward or backward runs");
   c10::Storage storage = p.base.storage();
   if (p.state.state() == ParamState::Gathered) {
     p.state.begin_refresh();  // persistent: gathered again into the buffer it keeps
@@ -259,8 +256,13 @@ void Runtime::start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarTy
   auto gather = std::make_shared<GatherInFlight>();
   gather->ids = ids;
   for (int64_t id : ids) {
+    const ShardedParam& p = param(id);
+    // Before anything reads its (emptied) shard: [Note: retired parameters].
+    SHARC_CHECK(!p.retired, "sharc: '", p.name, "' was given back when its nn.Parameter was "
+                "deleted (its model and optimizer are gone), so it cannot be gathered; keep "
+                "the model alive while its forward or backward runs");
     gather->offsets.push_back(gather->row);
-    gather->row += param(id).layout.shard_numel();
+    gather->row += p.layout.shard_numel();
   }
   const int64_t row = gather->row;
   std::optional<CollectiveAgreement::Issue> issue;

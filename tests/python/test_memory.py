@@ -75,7 +75,7 @@ def test_host_memory_budget_keeps_the_model_gathered_when_the_host_has_room():
 def _model_with_a_frozen_layer():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(False)  # backward still reads it (for layer 0's grads)
     return model
 
 
@@ -107,9 +107,10 @@ def _deleted_models(rank, world, compiled):
     model = _model_with_a_frozen_layer()
     sharc.shard(model)
     loss = model(torch.randn(2, 16)).pow(2).mean()
-    shard = dict(model.named_parameters())["2.weight"]
+    shard = dict(model.named_parameters())["0.weight"]
     del model
     gc.collect()
+    sharc.memory_stats()  # a point where dead shards are given back
     loss.backward()  # the frozen weight is gathered again for it
     grad = shard.grad.clone()
     del loss, shard
