@@ -41,6 +41,13 @@ def train(a) -> None:
     torch.set_num_threads(1)
     if a.stall:  # shard() is collective: the dying rank dies before it
         if rank == a.die_rank:
+            # Only once every other rank sleeps (its marker written): a rank
+            # slow to start under load was otherwise stopped by the rig's
+            # grace before it wrote its marker, and the test found none.
+            others = [f"{a.out}.stalled.{r}" for r in range(world) if r != rank]
+            deadline = time.monotonic() + 120
+            while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         open(f"{a.out}.stalled.{rank}", "w").close()
         time.sleep(600)
