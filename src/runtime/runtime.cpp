@@ -1205,14 +1205,18 @@ std::vector<int64_t> Runtime::drop_unheld_locked(const std::vector<int64_t>& ids
       std::shared_ptr<GatherInFlight> gather = p.pending;  // outlives the resets inside
       finish_gather_locked(*gather);
     }
-    p.state.acquire();  // the state machine frees through the last hold
-    p.state.release();
-    p.free_base();
-    accounting_.on_freed(p.full_bytes());
-    p.handed_out.clear();
+    free_gathered_locked(p);
     dropped.push_back(id);
   }
   return dropped;
+}
+
+void Runtime::free_gathered_locked(ShardedParam& p) {
+  p.state.acquire();  // the state machine frees through the last hold
+  p.state.release();
+  p.free_base();
+  accounting_.on_freed(p.full_bytes());
+  p.handed_out.clear();
 }
 
 // [Note: retired parameters]
@@ -1236,10 +1240,7 @@ bool Runtime::retire(int64_t id) {
   if (s == ParamState::Gathered) {
     if (p.state.holds() != 0) return false;
     p.state.set_persistent(false);
-    p.state.acquire();  // the state machine frees through the last hold
-    p.state.release();
-    p.free_base();
-    accounting_.on_freed(p.full_bytes());
+    free_gathered_locked(p);
   } else if (s != ParamState::Sharded && s != ParamState::Released) {
     return false;
   }

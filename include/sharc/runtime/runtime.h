@@ -592,6 +592,9 @@ class Runtime : public torch::CustomClassHolder {
   void queue_end_of_backward_locked();
   /// drop_unheld() with the lock held.
   std::vector<int64_t> drop_unheld_locked(const std::vector<int64_t>& ids);
+  /// Frees a gathered parameter that nothing holds: through the state
+  /// machine's last hold, so its state and the accounting agree.
+  void free_gathered_locked(ShardedParam& p);
   /// One collective for `ids`, all needing a gather, in `dtype`.
   void start_gather_locked(const std::vector<int64_t>& ids, c10::ScalarType dtype);
   /// What `gather` sends: its shards in `dtype`, then room for this rank's
