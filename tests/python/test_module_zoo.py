@@ -7,7 +7,8 @@ functional), a transformer encoder, activation checkpointing both ways
 (recomputing a forward inside backward: a second set of gathers and saved
 tensors that must match the first) and selective, a parametrized weight (weight_norm's
 `original0`/`original1`), a convolution, a bilinear layer, an embedding
-with a padding index and one with sparse gradients."""
+with a padding index and one with sparse gradients, embedding bags with
+sparse gradients."""
 
 import functools
 import gc
@@ -144,8 +145,29 @@ class Assorted(nn.Module):
         return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
 
 
+class SparseBags(nn.Module):
+    """Embedding bags with sparse gradients: autograd builds each one's
+    gradient in one operator (`_embedding_bag_backward(..., sparse=True)`),
+    not from a sparse tensor built in the graph as an embedding's, and the
+    compiled backward's `_to_dense` of it failed to compile (no fake
+    kernel) before the joint graph asked that operator for the dense
+    gradient instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.sum = nn.EmbeddingBag(10, WIDTH, mode="sum", sparse=True, padding_idx=0)
+        self.mean = nn.EmbeddingBag(10, WIDTH, mode="mean", sparse=True)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        tokens = (x[..., 0].abs() * 3).long().clamp(max=9)
+        weights = x[..., 1].sigmoid()
+        h = self.sum(tokens, per_sample_weights=weights) + self.mean(tokens)
+        return F.mse_loss(self.head(h).squeeze(-1), y)
+
+
 MODELS = {cls.__name__: cls for cls in (Recurrent, PackedRecurrent, Attention, Checkpointed, CheckpointedTwice,
-                                         SelectiveCheckpointed, Assorted)}
+                                         SelectiveCheckpointed, Assorted, SparseBags)}
 
 
 def _make(name):
