@@ -7,7 +7,8 @@ functional), a transformer encoder, activation checkpointing both ways
 (recomputing a forward inside backward: a second set of gathers and saved
 tensors that must match the first) and selective, a parametrized weight (weight_norm's
 `original0`/`original1`), a convolution, a bilinear layer, an embedding
-with a padding index and one with sparse gradients."""
+with a padding index and one with sparse gradients, embedding bags with
+sparse gradients."""
 
 import functools
 import gc
@@ -144,8 +145,29 @@ class Assorted(nn.Module):
         return F.mse_loss(self.bilinear(h.mean(1), e.mean(1)).squeeze(-1), y)
 
 
+class SparseBags(nn.Module):
+    """Embedding bags with sparse gradients: autograd builds each one's
+    gradient in one operator (`_embedding_bag_backward(..., sparse=True)`),
+    not from a sparse tensor built in the graph as an embedding's, and the
+    compiled backward's `_to_dense` of it failed to compile (no fake
+    kernel) before the joint graph asked that operator for the dense
+    gradient instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.sum = nn.EmbeddingBag(10, WIDTH, mode="sum", sparse=True, padding_idx=0)
+        self.mean = nn.EmbeddingBag(10, WIDTH, mode="mean", sparse=True)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        tokens = (x[..., 0].abs() * 3).long().clamp(max=9)
+        weights = x[..., 1].sigmoid()
+        h = self.sum(tokens, per_sample_weights=weights) + self.mean(tokens)
+        return F.mse_loss(self.head(h).squeeze(-1), y)
+
+
 MODELS = {cls.__name__: cls for cls in (Recurrent, PackedRecurrent, Attention, Checkpointed, CheckpointedTwice,
-                                         SelectiveCheckpointed, Assorted)}
+                                         SelectiveCheckpointed, Assorted, SparseBags)}
 
 
 def _make(name):
@@ -292,3 +314,39 @@ def test_recurrent_layers_keep_no_full_weight_between_steps(mode):
         assert r["left"] == [0, 0, 0], r["left"]
         assert all(not shapes for shapes in r["alive"]), f"rank {rank}: {r['alive']}"
         assert r["warnings"] == [], f"rank {rank}: {r['warnings']}"
+
+
+class SpectralNormedRecurrent(nn.Module):
+    """Spectral norm (`parametrizations.spectral_norm`) on two weights of a
+    bidirectional 2-layer GRU, neither its first: each read of such a weight
+    runs a power iteration, which updates the `_u`/`_v` buffers, and torch's
+    own refill of the layer's weight list reads the first one four times and
+    the other twice per forward. Read once each, the buffers, the estimated
+    norms and so the weights and losses drifted from one process's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(WIDTH, WIDTH, num_layers=2, bidirectional=True, batch_first=True)
+        nn.utils.parametrizations.spectral_norm(self.gru, "weight_hh_l0")
+        nn.utils.parametrizations.spectral_norm(self.gru, "weight_ih_l1_reverse")
+        self.head = nn.Linear(2 * WIDTH, 1)
+
+    def forward(self, x, y):
+        h, _ = self.gru(x)
+        return F.mse_loss(self.head(h[:, -1]).squeeze(-1), y)
+
+
+def _make_spectral_normed_recurrent():
+    torch.manual_seed(0)
+    return SpectralNormedRecurrent()
+
+
+def _rank_spectral_normed(rank, world, mode):
+    return scenario.run_sharded(rank, world, _make_spectral_normed_recurrent, batch, mode, 3)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_parametrized_recurrent_weights_are_read_as_often_as_torch_reads_them(mode):
+    reference = scenario.run_reference(_make_spectral_normed_recurrent, batch, 2, 3)
+    results = run_ranks(_rank_spectral_normed, 2, mode, timeout=300)
+    scenario.assert_matches_reference(results, reference, 2)

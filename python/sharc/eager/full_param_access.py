@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn.utils import parametrize
 
 from sharc._state import ModuleState, attach, state_of
 
@@ -228,8 +229,27 @@ def _rnn_forward(module: torch.nn.RNNBase, *args, **kwargs):
     the list lives for one forward: filled here by reads through sharc
     (gathered in this forward's scope), emptied before the scope closes,
     and left empty everywhere else (`_init_flat_weights`, called by shard()
-    and by `_apply`)."""
-    module._flat_weights = [getattr(module, n) for n in module._flat_weights_names]
+    and by `_apply`).
+
+    A parametrized weight (`parametrizations.spectral_norm(lstm,
+    "weight_hh_l0")`) is computed anew at every read, and a parametrization
+    with state advances at each: spectral_norm's power iteration updates its
+    `_u`/`_v` buffers per read. So it is read as often as torch's own refill
+    reads it (`RNNBase._update_flat_weights`): `_weights_have_changed` reads
+    (`hasattr`, then `getattr`) up to the first weight that changed, which
+    is the first parametrized one (a fresh tensor each read; plain weights
+    are the same tensor), and `_init_flat_weights` then reads every weight
+    with `hasattr` and `getattr`: four reads of the first parametrized
+    weight, two of each later one. Read once each, spectral norm's
+    estimates and so the normalised weights drifted from one process's."""
+    names = module._flat_weights_names
+    parametrized = {n for n in names if parametrize.is_parametrized(module, n)}
+    if parametrized:
+        first = next(n for n in names if n in parametrized)
+        hasattr(module, first)
+        getattr(module, first)
+    module._flat_weights = [(hasattr(module, n), getattr(module, n))[1] if n in parametrized
+                            else getattr(module, n) for n in names]
     try:
         return super(type(module), module).forward(*args, **kwargs)
     finally:
