@@ -218,6 +218,13 @@ def _refuse_prune_remove(module: torch.nn.Module) -> None:
             hook.remove = refuse
 
 
+def _read_as_torch_refill_does(module: torch.nn.RNNBase, name: str) -> torch.Tensor:
+    """One read of a recurrent weight as torch's refill makes it: `hasattr`,
+    then `getattr`, each computing a parametrized weight anew."""
+    hasattr(module, name)
+    return getattr(module, name)
+
+
 def _rnn_forward(module: torch.nn.RNNBase, *args, **kwargs):
     """[Note: a recurrent layer's weight list]
     nn.RNNBase (RNN, LSTM, GRU) hands its weights to its kernel as a list,
@@ -244,11 +251,9 @@ def _rnn_forward(module: torch.nn.RNNBase, *args, **kwargs):
     estimates and so the normalised weights drifted from one process's."""
     names = module._flat_weights_names
     parametrized = {n for n in names if parametrize.is_parametrized(module, n)}
-    if parametrized:
-        first = next(n for n in names if n in parametrized)
-        hasattr(module, first)
-        getattr(module, first)
-    module._flat_weights = [(hasattr(module, n), getattr(module, n))[1] if n in parametrized
+    if parametrized:  # _weights_have_changed stops at the first parametrized weight
+        _read_as_torch_refill_does(module, next(n for n in names if n in parametrized))
+    module._flat_weights = [_read_as_torch_refill_does(module, n) if n in parametrized
                             else getattr(module, n) for n in names]
     try:
         return super(type(module), module).forward(*args, **kwargs)
