@@ -56,6 +56,7 @@ TORCH_LIBRARY_FRAGMENT(sharc, m) {
       .def("held_back", &sharc::Runtime::held_back)
       .def("discard_held_back", &sharc::Runtime::discard_held_back)
       .def("persistent_params", &sharc::Runtime::persistent_params)
+      .def("note_graph_peak", &sharc::Runtime::note_graph_peak)
       .def("drop_unheld", &sharc::Runtime::drop_unheld)
       .def("begin_forward_graph", &sharc::Runtime::begin_forward_graph)
       .def("end_forward_graph", &sharc::Runtime::end_forward_graph)

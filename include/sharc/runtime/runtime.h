@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -273,6 +274,10 @@ class Runtime : public torch::CustomClassHolder {
   /// Non-blocking; issues at most one collective per dtype.
   void prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>& key,
                            int64_t budget_bytes);
+  /// A compiled graph of `graph_kind` was scheduled to gather at most
+  /// `bytes` at once: what a point that starts buckets of graphs after the
+  /// next must leave room for ([Note: the budget across graphs]).
+  void note_graph_peak(int64_t graph_kind, int64_t bytes);
   /// The autograd engine's call at the end of a backward pass that ran a
   /// compiled backward graph (see start_graph_gather) or eager backward
   /// work (EagerScope): the one end-of-backward callback of both paths.
@@ -575,12 +580,20 @@ class Runtime : public torch::CustomClassHolder {
   void start_gathers_locked(const std::vector<int64_t>& ids,
                             std::optional<c10::ScalarType> dtype);
   /// The bytes of `ids` in flight or gathered and unheld (started ahead,
-  /// not taken yet).
+  /// not taken yet), each parameter counted once.
   int64_t bytes_gathering_ahead_locked(const std::vector<int64_t>& ids) const;
-  /// The bytes gathering `ids` in `dtype` ahead would allocate; none if one
-  /// is held or in flight in another dtype.
-  std::optional<int64_t> bytes_to_start_ahead_locked(const std::vector<int64_t>& ids,
-                                                     c10::ScalarType dtype) const;
+  /// What a graph's prefetch point starts: the parameters, their bytes,
+  /// and per dtype (one collective each) their bytes and count.
+  struct StartingAhead {
+    std::unordered_set<int64_t> ids;
+    int64_t bytes = 0;
+    std::map<int64_t, std::pair<int64_t, int64_t>> by_dtype;
+    /// The bytes the point's collectives allocate, staging included.
+    int64_t allocated() const;
+  };
+  /// Adds the parameters of `next` not yet in `starting` that need a
+  /// gather; false if one is held or in flight in another dtype.
+  bool add_ahead_locked(const GatherBucket& next, StartingAhead& starting) const;
   /// The order of compiled graphs of `graph_kind`, and of the other kind.
   GatherOrder& graph_order(int64_t graph_kind);
   GatherOrder& other_graph_order(int64_t graph_kind);
@@ -682,6 +695,9 @@ class Runtime : public torch::CustomClassHolder {
   /// The order of compiled graphs of each kind (cross-graph prefetch).
   GatherOrder forward_graphs_;
   GatherOrder backward_graphs_;
+  /// The largest scheduled peak of a compiled graph of each kind.
+  int64_t forward_graph_peak_ = 0;
+  int64_t backward_graph_peak_ = 0;
   int64_t graph_gathers_ = 0;  ///< names each compiled gather a step of its own
   EagerReduction eager_reduction_{*this};
   EagerPrefetch eager_prefetch_{*this};

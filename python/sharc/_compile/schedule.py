@@ -53,6 +53,10 @@ def schedule_graph(gm: fx.GraphModule, config: CompileConfig, kind: str,
         _dump(config.dump_ir, kind, lowered.text, schedule)
     _keep(runtime, lowered, schedule.params)
     graph_kind = BACKWARD_GRAPH if kind == "backward" else FORWARD_GRAPH
+    # Points of other graphs gather ahead beside this peak (the runtime's
+    # [Note: the budget across graphs]).
+    runtime.note_graph_peak(graph_kind,
+                            torch.classes.sharc.Scheduler.peak_gathered_bytes(schedule.ir))
     gm.graph = rebuild(gm.graph, lowered, schedule.nodes,
                        {p: dtype for p, dtype, _ in schedule.params}, graph_kind,
                        -1 if schedule.budget is None else schedule.budget)
