@@ -299,8 +299,8 @@ def _data_assignment_refused(copy: "OutsideForwardCopy", new) -> RuntimeError:
 
 
 class OutsideForwardCopy(torch.Tensor):
-    """What `module.weight` gives outside every forward: a copy of the full
-    parameter. Writing to it in place (or assigning its `.data`) would
+    """What `module.weight` gives outside every forward, and each parameter's
+    entry of `module.state_dict()`: a copy of the full parameter. Writing to it in place (or assigning its `.data`) would
     change the copy only, so it raises, naming what does reach the shards. A view of it (`.data`,
     `.detach()`, `view`, indexing) is such a copy too, so writes through it
     raise the same way; a NumPy array of it is beyond reach (writing one
@@ -313,6 +313,11 @@ class OutsideForwardCopy(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__reduce_ex__:
+            # Pickled (torch.save of a state_dict) as the plain tensor it copies,
+            # so the file loads without sharc, weights_only=True included.
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].detach().as_subclass(torch.Tensor).__reduce_ex__(*args[1:])
         if func is torch.autograd.backward or func is torch.autograd.grad:
             grads = _autograd_call_on_copies(cls, func, args, kwargs or {})
             if func is torch.autograd.grad:
@@ -343,6 +348,13 @@ class OutsideForwardCopy(torch.Tensor):
         if isinstance(target, cls) and not _reads_base(func, name):
             return _views_as_copies(out, target)
         return out
+
+
+def outside_forward_copy(full: torch.Tensor, fqn: str) -> OutsideForwardCopy:
+    """`full`, a gathered copy of parameter `fqn`, as an OutsideForwardCopy."""
+    copy = full.as_subclass(OutsideForwardCopy)
+    copy.sharc_fqn = fqn
+    return copy
 
 
 def _first_tensor(args, kwargs):
@@ -482,9 +494,7 @@ class EagerSchedule:
         if full is None:  # outside every scope: a copy of its own, in the master dtype
             if self.checks is not None:
                 self.checks.agree(_rank_check.OUTSIDE_READ, f"'{ref.fqn}'", ref.pid)
-            copy = ref.all_gather_op().as_subclass(OutsideForwardCopy)
-            copy.sharc_fqn = ref.fqn
-            return copy
+            return outside_forward_copy(ref.all_gather_op(), ref.fqn)
         if fresh and full.grad_fn is not None:  # for _saved_copy
             full.grad_fn.metadata[_GATHER_TAG] = (self, ref.pid)
         return full
