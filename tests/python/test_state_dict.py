@@ -32,6 +32,7 @@ def test_full_state_dict_round_trip():
 def _writes_into_state_dict_values(rank, world):
     """timm's ModelEmaV2 updates an EMA model through its state_dict's
     values, in place: in one process they are the parameters."""
+    import copy
     import io
 
     import sharc
@@ -55,7 +56,10 @@ def _writes_into_state_dict_values(rank, world):
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     plain.load_state_dict(loaded)
-    return error, unchanged, {k: type(v) for k, v in loaded.items()}
+    snapshot = copy.deepcopy(ema.state_dict())  # a best-model snapshot: plain, writable
+    for v in snapshot.values():
+        v.mul_(0.5)
+    return error, unchanged, {k: type(v) for k, v in {**loaded, **snapshot}.items()}
 
 
 def test_an_in_place_write_to_a_state_dict_value_raises():
@@ -66,7 +70,7 @@ def test_an_in_place_write_to_a_state_dict_value_raises():
                                 "sharded parameter; copy_ on it would change the copy only"), error
         assert "sharc.unsharded(model, writeback=True)" in error
         assert unchanged
-        assert set(types.values()) == {torch.Tensor}, types
+        assert set(types.values()) == {torch.Tensor}, types  # saved and deep-copied
 
 
 def _module_state_dict(rank, world, compiled):

@@ -318,6 +318,14 @@ class OutsideForwardCopy(torch.Tensor):
             # so the file loads without sharc, weights_only=True included.
             with torch._C.DisableTorchFunctionSubclass():
                 return args[0].detach().as_subclass(torch.Tensor).__reduce_ex__(*args[1:])
+        if func is torch.Tensor.__deepcopy__:
+            # A tensor of the caller's own (a snapshot of a state_dict): plain, writable.
+            with torch._C.DisableTorchFunctionSubclass():
+                new = args[0].detach().as_subclass(torch.Tensor).clone()
+            memo = args[1] if len(args) > 1 else (kwargs or {}).get("memo")
+            if memo is not None:
+                memo[id(args[0])] = new
+            return new
         if func is torch.autograd.backward or func is torch.autograd.grad:
             grads = _autograd_call_on_copies(cls, func, args, kwargs or {})
             if func is torch.autograd.grad:
