@@ -29,6 +29,50 @@ def test_full_state_dict_round_trip():
         assert gathered == 0
 
 
+def _writes_into_state_dict_values(rank, world):
+    """timm's ModelEmaV2 updates an EMA model through its state_dict's
+    values, in place: in one process they are the parameters."""
+    import copy
+    import io
+
+    import sharc
+
+    torch.manual_seed(0)
+    model, ema = torch.nn.Linear(5, 4), torch.nn.Linear(5, 4)
+    plain = torch.nn.Linear(5, 4)
+    sharc.shard(model)
+    sharc.shard(ema)
+    before = sharc.full_state_dict(ema)
+    try:
+        with torch.no_grad():
+            for ema_v, model_v in zip(ema.state_dict().values(), model.state_dict().values()):
+                ema_v.copy_(ema_v * 0.5 + model_v * 0.5)  # out of place on it is fine
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    unchanged = all(torch.equal(v, before[k]) for k, v in sharc.full_state_dict(ema).items())
+    buffer = io.BytesIO()
+    torch.save(ema.state_dict(), buffer)  # a file of plain tensors, loadable without sharc
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    plain.load_state_dict(loaded)
+    snapshot = copy.deepcopy(ema.state_dict())  # a best-model snapshot: plain, writable
+    for v in snapshot.values():
+        v.mul_(0.5)
+    return error, unchanged, {k: type(v) for k, v in {**loaded, **snapshot}.items()}
+
+
+def test_an_in_place_write_to_a_state_dict_value_raises():
+    """Before: the values were plain gathered copies, so the write changed
+    only them, and the EMA model never moved, silently."""
+    for error, unchanged, types in run_ranks(_writes_into_state_dict_values, 2):
+        assert error.startswith("sharc: 'weight' read outside forward is a copy of the "
+                                "sharded parameter; copy_ on it would change the copy only"), error
+        assert "sharc.unsharded(model, writeback=True)" in error
+        assert unchanged
+        assert set(types.values()) == {torch.Tensor}, types  # saved and deep-copied
+
+
 def _module_state_dict(rank, world, compiled):
     """model.state_dict() / load_state_dict() of a sharded model speak the
     full tensors of the unsharded model, also for a submodule and for the

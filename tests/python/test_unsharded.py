@@ -323,6 +323,51 @@ def test_gradient_access_on_a_copy_read_outside_forward_raises():
         assert errors["shard_grad"]
 
 
+def _differentiating_with_respect_to_the_copy(rank, world):
+    model = _model()
+    x = torch.ones(2, 5) * (rank + 1)
+    calls = {
+        "backward(inputs=)": lambda loss, w: loss.backward(inputs=[w]),
+        "autograd.backward": lambda loss, w: torch.autograd.backward(loss, inputs=[w]),
+        "autograd.grad": lambda loss, w: torch.autograd.grad(loss, w),
+        "allow_unused": lambda loss, w: torch.autograd.grad(loss, [w], allow_unused=True),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call(model(x).sum(), model[2].weight)
+            errors[name] = "no error"
+        except RuntimeError as e:
+            errors[name] = str(e)
+    no_grads = all(p.grad is None for p in model.parameters())
+    # A gradient with respect to a copy the outputs were computed from.
+    w = model[2].weight
+    (penalty,) = torch.autograd.grad(model(x).sum() + w.pow(2).sum(), w)
+    shards = dict(model.named_parameters())
+    model(x).sum().backward(inputs=[shards["2.weight"]])  # the shard: trains
+    return errors, no_grads, torch.equal(penalty, 2 * w), shards["2.weight"].grad is not None
+
+
+def test_differentiating_with_respect_to_a_copy_read_outside_forward_raises():
+    """`loss.backward(inputs=[model.fc.weight])` (plain torch: that weight's
+    gradient) stopped backward at the copy, leaving every gradient None
+    silently, and `autograd.grad(loss, model.fc.weight)` failed with torch's
+    "appears to not have been used in the graph" (None under allow_unused):
+    each raises, naming the shard; a penalty on the copy differentiates."""
+    for errors, no_grads, penalty, shard_trains in run_ranks(
+            _differentiating_with_respect_to_the_copy, 2, timeout=120):
+        for name, error in errors.items():
+            assert error.startswith("sharc: '2.weight' read outside forward is a copy of the "
+                                    "sharded parameter"), (name, error)
+            assert "dict(model.named_parameters())['2.weight'].grad" in error, (name, error)
+        for name in ("backward(inputs=)", "autograd.backward"):
+            assert "naming it in backward(inputs=...) would stop backward at this copy" \
+                in errors[name], errors[name]
+        for name in ("autograd.grad", "allow_unused"):
+            assert "torch.autograd.grad with respect to it finds no gradient" in errors[name]
+        assert no_grads and penalty and shard_trains
+
+
 def _copy_to_compiled_function(rank, world):
     import sharc
 

@@ -31,6 +31,7 @@ import torch
 
 from sharc import _rank_check
 from sharc._state import ModuleState, state_of, unwrap_compiled
+from sharc.eager.schedule import outside_forward_copy
 
 
 def install(module: torch.nn.Module, state: ModuleState) -> None:
@@ -48,7 +49,10 @@ def install(module: torch.nn.Module, state: ModuleState) -> None:
                 state_dict[key] = fulls[ref.pid].detach()  # with what was written inside
             elif key in state_dict:
                 state.schedule.checks.agree(_rank_check.MODULE_STATE_DICT, f"'{key}'", ref.pid)
-                state_dict[key] = ref.runtime.read_full(ref.pid)
+                # A copy, as `module.weight` outside forward: an in-place write to
+                # it (timm's ModelEmaV2 updates `ema.state_dict().values()` so)
+                # would change the copy only, silently; it raises instead.
+                state_dict[key] = outside_forward_copy(ref.runtime.read_full(ref.pid), key)
 
     def load_full_entries(_module, state_dict, prefix, local_metadata, _strict,
                           _missing_keys, _unexpected_keys, error_msgs) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -174,7 +175,41 @@ _GRADIENT_ACCESSES = {
                     "copy, never the model's"),
     "grad.__set__": ("assigning its `.grad`", "would set a gradient no optimizer sees"),
     "grad.__get__": ("its `.grad`", "is None whatever backward computed"),
+    "backward(inputs=...)": ("naming it in backward(inputs=...)", "would stop backward at this "
+                             "copy, so no gradient reaches the shard (nothing trains)"),
+    "autograd.grad": ("torch.autograd.grad with respect to it", "finds no gradient: forward "
+                      "reads the parameter anew, never this copy"),
 }
+
+
+def _autograd_call_on_copies(cls, func, args, kwargs):
+    """torch.autograd.backward or torch.autograd.grad given a copy among
+    their `inputs` (torch hands both to __torch_function__ then, `inputs`
+    as a tuple): `loss.backward(inputs=[model.fc.weight])` would leave every
+    gradient None, silently, and `autograd.grad(loss, model.fc.weight)`
+    fail with torch's "appears to not have been used in the graph" (or give
+    None under allow_unused=True); each raises naming the shard instead. A
+    gradient with respect to a copy that the differentiated outputs were
+    computed from (a penalty on `model.fc.weight`) is returned as usual."""
+    if func is torch.autograd.backward:
+        copy = next((t for t in kwargs.get("inputs") or () if isinstance(t, cls)), None)
+        if copy is not None:
+            raise _gradient_access_refused(copy, "backward(inputs=...)")
+        return None
+    inputs = args[1] if len(args) > 1 else kwargs["inputs"]
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            grads = func(*args, **kwargs)
+        except RuntimeError as e:
+            unused = re.search(r"Tensor at index (\d+) appears to not have been used", str(e))
+            copy = inputs[int(unused.group(1))] if unused else None
+            if isinstance(copy, cls):
+                raise _gradient_access_refused(copy, "autograd.grad") from e
+            raise
+    for t, g in zip(inputs, grads):
+        if g is None and isinstance(t, cls):
+            raise _gradient_access_refused(t, "autograd.grad")
+    return grads
 
 
 def _sets_attribute(func, name: str, attribute: str) -> bool:
@@ -264,8 +299,8 @@ def _data_assignment_refused(copy: "OutsideForwardCopy", new) -> RuntimeError:
 
 
 class OutsideForwardCopy(torch.Tensor):
-    """What `module.weight` gives outside every forward: a copy of the full
-    parameter. Writing to it in place (or assigning its `.data`) would
+    """What `module.weight` gives outside every forward, and each parameter's
+    entry of `module.state_dict()`: a copy of the full parameter. Writing to it in place (or assigning its `.data`) would
     change the copy only, so it raises, naming what does reach the shards. A view of it (`.data`,
     `.detach()`, `view`, indexing) is such a copy too, so writes through it
     raise the same way; a NumPy array of it is beyond reach (writing one
@@ -278,6 +313,23 @@ class OutsideForwardCopy(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__reduce_ex__:
+            # Pickled (torch.save of a state_dict) as the plain tensor it copies,
+            # so the file loads without sharc, weights_only=True included.
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].detach().as_subclass(torch.Tensor).__reduce_ex__(*args[1:])
+        if func is torch.Tensor.__deepcopy__:
+            # A tensor of the caller's own (a snapshot of a state_dict): plain, writable.
+            with torch._C.DisableTorchFunctionSubclass():
+                new = args[0].detach().as_subclass(torch.Tensor).clone()
+            memo = args[1] if len(args) > 1 else (kwargs or {}).get("memo")
+            if memo is not None:
+                memo[id(args[0])] = new
+            return new
+        if func is torch.autograd.backward or func is torch.autograd.grad:
+            grads = _autograd_call_on_copies(cls, func, args, kwargs or {})
+            if func is torch.autograd.grad:
+                return grads
         name = getattr(func, "__name__", "")
         in_place = name in _WRITES or (name.endswith("_") and not name.startswith("_")
                                        and name not in _HARMLESS)
@@ -304,6 +356,13 @@ class OutsideForwardCopy(torch.Tensor):
         if isinstance(target, cls) and not _reads_base(func, name):
             return _views_as_copies(out, target)
         return out
+
+
+def outside_forward_copy(full: torch.Tensor, fqn: str) -> OutsideForwardCopy:
+    """`full`, a gathered copy of parameter `fqn`, as an OutsideForwardCopy."""
+    copy = full.as_subclass(OutsideForwardCopy)
+    copy.sharc_fqn = fqn
+    return copy
 
 
 def _first_tensor(args, kwargs):
@@ -443,9 +502,7 @@ class EagerSchedule:
         if full is None:  # outside every scope: a copy of its own, in the master dtype
             if self.checks is not None:
                 self.checks.agree(_rank_check.OUTSIDE_READ, f"'{ref.fqn}'", ref.pid)
-            copy = ref.all_gather_op().as_subclass(OutsideForwardCopy)
-            copy.sharc_fqn = ref.fqn
-            return copy
+            return outside_forward_copy(ref.all_gather_op(), ref.fqn)
         if fresh and full.grad_fn is not None:  # for _saved_copy
             full.grad_fn.metadata[_GATHER_TAG] = (self, ref.pid)
         return full
