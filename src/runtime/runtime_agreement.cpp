@@ -28,7 +28,11 @@ const char* const kDivergedAdvice =
     "output there is a constant, parts the ranks). Eager, an output of a module every "
     "rank runs must likewise reach the loss on every rank or on none: a term some ranks "
     "leave out of their loss (an auxiliary loss their data skips) is added there as "
-    "`loss + 0 * aux`, so that its backward runs with a zero gradient";
+    "`loss + 0 * aux`, so that its backward runs with a zero gradient. Compiled, ranks "
+    "whose input sizes differ recompile at different steps, and Dynamo may split a "
+    "recompiled frame at other graph breaks than the graph another rank still runs: "
+    "compile with torch.compile(..., dynamic=True) (or torch._dynamo.mark_dynamic on the "
+    "dimension that varies), so that every rank traces the same graphs";
 
 }  // namespace
 

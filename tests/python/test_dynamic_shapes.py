@@ -81,7 +81,8 @@ def _graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _train_sharded(rank, world, make_model, mode, group, compile_kwargs=None, steps=None):
+def _train_sharded(rank, world, make_model, mode, group, compile_kwargs=None, steps=None,
+                   length=_length):
     """Losses per step, graphs compiled after each step, leftover gathered
     bytes after each step, final full parameters."""
     import sharc
@@ -95,7 +96,7 @@ def _train_sharded(rank, world, make_model, mode, group, compile_kwargs=None, st
     out = {"losses": [], "graphs": [], "left": []}
     graphs_before = _graph_count()
     for step in range(steps or len(LENGTHS)):
-        loss = fn(*_tokens(step, rank, _length(step, rank)))
+        loss = fn(*_tokens(step, rank, length(step, rank)))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -106,12 +107,12 @@ def _train_sharded(rank, world, make_model, mode, group, compile_kwargs=None, st
     return out
 
 
-def _train_reference(make_model, world, steps=None):
+def _train_reference(make_model, world, steps=None, length=_length):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(steps or len(LENGTHS)):
-        per_rank = [model(*_tokens(step, r, _length(step, r))) for r in range(world)]
+        per_rank = [model(*_tokens(step, r, length(step, r))) for r in range(world)]
         loss = sum(per_rank) / world
         loss.backward()
         opt.step()
@@ -231,6 +232,43 @@ def test_hf_causal_lm_compiled_over_lengths_with_checkpointing():
         for r in results:  # no graph compiled once the second length made them dynamic
             assert r["graphs"][1:] == [r["graphs"][1]] * (len(LENGTHS) - 1), \
                 (checkpointing, r["graphs"])
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, output_router_logits=True,
+                        router_aux_loss_coef=0.1, use_cache=False)
+    return _HFLoss(MixtralForCausalLM(cfg))
+
+
+def _apart_after_one_step(step: int, rank: int) -> int:
+    """Both ranks start at one length (one static graph each, alike); then
+    rank 0 changes length a step before rank 1 does."""
+    return ((12, 9, 16, 9), (12, 12, 7, 13))[rank][step]
+
+
+def _mixtral_runs(rank, world, group):
+    return _train_sharded(rank, world, _mixtral, "compiled", group, {"dynamic": True},
+                          steps=4, length=_apart_after_one_step)
+
+
+def test_hf_moe_compiled_dynamic_over_lengths_that_differ_between_ranks():
+    """HF Mixtral (router aux loss on) without gather units, each rank at
+    its own length each step. Compiled with Dynamo's automatic dynamic
+    shapes, a rank recompiles while the other still runs its first graph,
+    and the recompiled frames split at other graph breaks (the new forward
+    takes in `lm_head`): the ranks' first all-gathers differ and the
+    agreement reports them diverged, naming `dynamic=True`. With it, every
+    rank traces the same symbolic graphs from the first step and training
+    matches one process."""
+    runs = run_ranks(in_own_groups, 2, _mixtral_runs, [()], timeout=1200)
+    _assert_matches([r[0] for r in runs],
+                    _train_reference(_mixtral, 2, steps=4, length=_apart_after_one_step))
 
 
 class CheckpointedAttention(nn.Module):
