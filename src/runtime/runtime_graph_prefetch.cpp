@@ -127,7 +127,7 @@ void Runtime::prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>
     // graph's, as before the window); those after it to the window too,
     // and to the budget with a later graph's own peak beside them.
     if (!starting.ids.empty() || window > 0) {
-      if (window + with_next.bytes > kGraphPrefetchWindowBytes) return false;
+      if (window + with_next.bytes() > kGraphPrefetchWindowBytes) return false;
       if (budget_bytes >= 0 && window + cost + later_peak > budget_bytes) return false;
     }
     starting = std::move(with_next);
@@ -141,8 +141,8 @@ void Runtime::prefetch_next_graph(int64_t graph_kind, const std::vector<int64_t>
   StartingAhead started;
   std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> by_dtype;
   for (const GatherBucket& next : decision.start) {
-    const int64_t before = started.bytes;
-    if (!add_ahead_locked(next, started) || started.bytes == before) continue;
+    const int64_t before = started.bytes();
+    if (!add_ahead_locked(next, started) || started.bytes() == before) continue;
     accounting_.on_graph_prefetch();
     const auto dtype = static_cast<c10::ScalarType>(next.dtype);
     auto group = std::find_if(by_dtype.begin(), by_dtype.end(),
@@ -183,12 +183,17 @@ bool Runtime::add_ahead_locked(const GatherBucket& next, StartingAhead& starting
     if (busy && p.base.scalar_type() != dtype) return false;
     if (!needs_gather(p, dtype) || !starting.ids.insert(id).second) continue;
     const int64_t bytes = p.layout.padded_numel() * c10::elementSize(dtype);
-    starting.bytes += bytes;
     auto& [dtype_bytes, params] = starting.by_dtype[next.dtype];
     dtype_bytes += bytes;
     params += 1;
   }
   return true;
+}
+
+int64_t Runtime::StartingAhead::bytes() const {
+  int64_t total = 0;
+  for (const auto& [dtype, sizes] : by_dtype) total += sizes.first;
+  return total;
 }
 
 // A collective of more than one parameter lands in a staging buffer as

@@ -586,8 +586,9 @@ class Runtime : public torch::CustomClassHolder {
   /// and per dtype (one collective each) their bytes and count.
   struct StartingAhead {
     std::unordered_set<int64_t> ids;
-    int64_t bytes = 0;
     std::map<int64_t, std::pair<int64_t, int64_t>> by_dtype;
+    /// The parameters' bytes.
+    int64_t bytes() const;
     /// The bytes the point's collectives allocate, staging included.
     int64_t allocated() const;
   };
