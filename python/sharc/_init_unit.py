@@ -63,6 +63,10 @@ class InitProgress:
         self.owners = owners  # parameter id -> the module that created it
         self.pid_of = shard_lookup(self.refs.values())
         self.written: set[int] = set()
+        # Parameter id -> in-place writes the initialisers made to it, to set
+        # beside the writes construction made (PendingInit.written_when_built).
+        self.write_counts: dict[int, int] = {}
+        self.copied: set[int] = set()  # took a twin's or a prototype's values
 
     def run(self, module: torch.nn.Module, fn, as_constructed: bool) -> None:
         """Runs `fn()` (an initialiser of `module`) on a unit of `module`.
@@ -170,6 +174,8 @@ class _Unit(dict):
         for pid, (full, version, is_fresh) in self.targets.items():
             if is_fresh and untouched(full, version):
                 continue  # not this initialiser's parameter; it stays without values
+            counts = self.progress.write_counts
+            counts[pid] = counts.get(pid, 0) + full._version - version
             self.progress.runtime.load_full(pid, full)
             self.progress.written.add(pid)
 

@@ -24,12 +24,13 @@ class PendingInit:
     """What shard() left on a meta-built root until its values arrive."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device, shards,
-                 written_when_built: frozenset[int] = frozenset()) -> None:
+                 written_when_built: dict[int, int] | None = None) -> None:
         self.device = device  # where shards and materialised buffers live
-        # Ids of the parameters that the model's construction wrote in place
-        # (their meta tensor's version counter moved: an `nn.init` call in an
-        # `__init__`), for init_weights (_init_rebuild.py).
-        self.written_when_built = written_when_built
+        # Parameter id -> how many times the model's construction wrote it in
+        # place (its meta tensor's version counter: an `nn.init` call in an
+        # `__init__`), for the parameters written at all; for init_weights
+        # (_init_rebuild.py, and materialize.py's check for lost writes).
+        self.written_when_built = written_when_built or {}
         self._shards = list(shards)
         for name, shard in self._shards:
             setattr(shard, AWAITING, name)

@@ -146,7 +146,7 @@ def _shard_in_place(module: torch.nn.Module, group, config: ShardConfig | None, 
     if meta:
         root.pending_init = PendingInit(
             module, device, [(r.fqn, r.shard) for r in refs_by_param.values()],
-            frozenset(r.pid for p, r in refs_by_param.items() if p._version > 0))
+            {r.pid: p._version for p, r in refs_by_param.items() if p._version > 0})
     for sub, refs in per_module.items():
         state = ModuleState(refs, schedule, root if sub is module else None)
         full_param_access.install(sub, state)

@@ -59,6 +59,10 @@ it, and refused anyway if the draw wrote its parameter in place (an
 draw would shift; `nn.Parameter(torch.randn(...))` under `init_fn` or a
 transformers model leaves no such trace and shifts the stream (warned where
 the module's `__init__` source shows the draw); a
+write in an `__init__` to a parameter outside every initialiser replayed (a
+parent zeroing its child's norm weight, a loop over `self.modules()` ending
+the root's `__init__`): warned, as construction wrote that parameter more
+often than the replay did; a
 tie that hands an earlier module a later module's parameter; an `init_fn`
 pass that ran before the tie; a module of the user's that deep-copies
 submodules in its `__init__` (the replay draws for each copy).
@@ -114,6 +118,7 @@ def init_weights(module: torch.nn.Module, init_fn=None) -> None:
                 progress.run(sub, functools.partial(init_fn, sub), as_constructed=False)
     _raise_without_values(progress.without_values())
     buffers.raise_without_values("sharc.init_weights")
+    _warn_of_writes_not_replayed(progress, pending.written_when_built)
     root.pending_init = None
     pending.finish()
 
@@ -169,11 +174,13 @@ def _replay_construction(model: torch.nn.Module, progress: InitProgress,
     for sub in _construction_order(model):
         prototype = prototypes.get(id(sub))
         if prototype is not None:  # a deep copy: built with the values, drawing none
+            progress.copied.update(_own_pids(sub))
             run_as_built(sub, functools.partial(_init_clones.copy_values, progress, sub,
                                                 prototype))
             continue
         twin = rebuilds.get(id(sub))
         if twin is not None:  # its __init__ wrote its values: built again, drawing alike
+            progress.copied.update(_own_pids(sub))
             run_as_built(sub, functools.partial(_init_rebuild.copy_from_twin, twin, sub,
                                                 progress.device))
         reset = _reset_method(sub)
@@ -183,6 +190,37 @@ def _replay_construction(model: torch.nn.Module, progress: InitProgress,
             run_as_built(sub, sub.reset_buffers)
         if _hf_init.is_pretrained(sub):
             _hf_init.replay_post_init(sub, run_as_built)
+
+
+def _own_pids(module: torch.nn.Module) -> list[int]:
+    state = state_of(module)
+    return [ref.pid for ref in state.refs.values()] if state is not None else []
+
+
+def _warn_of_writes_not_replayed(progress: InitProgress, written_when_built: dict[int, int]):
+    """Construction wrote these parameters in place more often than the
+    replay did: a write outside every initialiser the replay runs (a parent's
+    `__init__` zeroing its child's norm weight, a loop over `self.modules()`
+    ending the root's `__init__`) was lost, and the values are the child's
+    own initialiser's, not a normal build's. Parameters that took a twin's
+    or a prototype's values (one copy for all of `__init__`'s writes) are
+    not counted."""
+    lost = [ref.fqn for pid, ref in progress.refs.items()
+            if pid not in progress.copied
+            and progress.write_counts.get(pid, 0) < written_when_built.get(pid, 0)]
+    if not lost:
+        return
+    warnings.warn(
+        f"sharc.init_weights: building the model wrote the parameter '{lost[0]}'"
+        + (f" (and {len(lost) - 1} more: {lost[1:4]})" if len(lost) > 1 else "")
+        + " in place more often than its initialisers (reset_parameters(), init_fn) wrote it "
+        "now: a write made elsewhere in an __init__ (a parent initialising a child's parameter, "
+        "such as a zero-init of a block's last norm, or a loop over self.modules() at the end "
+        "of the root's __init__) cannot be replayed, so these values (and every value drawn "
+        "after such a write, if it drew) may differ from a normal build with the same seed. Move "
+        "the write into the parent's reset_parameters() (init_weights calls it after its "
+        "children's), pass the loop as init_fn, or load the values with "
+        "sharc.load_full_state_dict", stacklevel=3)
 
 
 def _class_name(module: torch.nn.Module) -> str:

@@ -506,3 +506,75 @@ def test_a_leaf_drawing_in_its_constructor_is_built_again_or_refused():
         assert "its __init__ argument 'n' is not kept as an attribute of the same name" in message
         assert "Give _DrawnOpaque a reset_parameters()" in message
         assert opaque == opaque_init_fn
+
+
+class _ZeroInitLastNorm(torch.nn.Module):
+    """A residual block as EfficientNet's and ResNet's are built with
+    `zero_init_last`: its __init__ zeroes its last norm's weight after the
+    norm initialised itself (ones), a write the replay cannot run again."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.fc = torch.nn.Linear(n, n)
+        self.norm = torch.nn.BatchNorm1d(n)
+        torch.nn.init.zeros_(self.norm.weight)
+
+
+class _ZeroInitLastNormInReset(_ZeroInitLastNorm):
+    """The same write moved into the block's reset_parameters(), which the
+    replay calls after its children's."""
+
+    def __init__(self, n=4):
+        torch.nn.Module.__init__(self)
+        self.fc = torch.nn.Linear(n, n)
+        self.norm = torch.nn.BatchNorm1d(n)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.zeros_(self.norm.weight)
+
+
+class _RootInitLoop(torch.nn.Module):
+    """A root whose __init__ ends with a loop over its modules (timm's
+    ResNet `init_weights`: kaiming for every convolution) instead of
+    `self.apply(init_fn)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(2, 4, 3)
+        self.head = torch.nn.Linear(4, 3)
+        for m in self.modules():
+            if isinstance(m, torch.nn.Conv1d):
+                torch.nn.init.kaiming_normal_(m.weight, mode="fan_out")
+
+
+WRITES_OUTSIDE_INITIALISERS = {
+    "zero_init_last": lambda: torch.nn.Sequential(_ZeroInitLastNorm(), torch.nn.Linear(4, 3)),
+    "zero_init_last_in_reset": lambda: torch.nn.Sequential(_ZeroInitLastNormInReset(),
+                                                           torch.nn.Linear(4, 3)),
+    "root_init_loop": _RootInitLoop,
+}
+
+
+def _writes_outside_initialisers(rank, world):
+    return _meta_and_normal(WRITES_OUTSIDE_INITIALISERS)
+
+
+def test_a_write_in_an_init_that_the_replay_cannot_run_again_is_warned_of():
+    """A parent's __init__ writing its child's parameter (a zero-init of a
+    block's last norm, a kaiming loop ending the root's __init__) runs
+    neither in a reset_parameters() nor in init_fn, so the replay cannot
+    write it again: the meta-built model got the child's own values (norm
+    weight ones, default convolution init), differing from a normal build.
+    Before, silently; now warned, naming the parameter. Moved into the
+    block's reset_parameters(), the write is replayed, bitwise, no warning."""
+    for out in run_ranks(_writes_outside_initialisers, 2):
+        assert _differing(out) == {"zero_init_last": ["0.norm.weight"],
+                                   "zero_init_last_in_reset": [],
+                                   "root_init_loop": ["conv.weight"]}
+        assert out["zero_init_last_in_reset"]["warned"] == []
+        for name, param in (("zero_init_last", "0.norm.weight"), ("root_init_loop", "conv.weight")):
+            (message,) = out[name]["warned"]
+            assert message.startswith(f"sharc.init_weights: building the model wrote the "
+                                      f"parameter '{param}' in place more often"), message
+            assert "reset_parameters()" in message and "init_fn" in message
