@@ -588,3 +588,36 @@ def test_a_checkpoint_file_changed_since_the_save_is_named_and_nothing_loads(tmp
                  "truncate": ["'__1_0.distcp'"], "flip a byte": ["'__0_0.distcp'"]}[tamper]
         assert all(n in message for n in named), message
         assert untouched
+
+
+# ---- extra that JSON cannot hold ---------------------------------------------
+
+def _save_with_a_tensor_in_extra(rank, world, path):
+    import torch.distributed as dist
+
+    import sharc
+
+    model, opt = _sharded_job()
+    _train(model, opt, rank, world, 1)
+    sharc.save_checkpoint(path, model, opt, extra={"step": 1})
+    try:
+        sharc.save_checkpoint(path, model, opt, extra={"step": 2, "rng": torch.get_rng_state()})
+        raised = None
+    except TypeError as e:
+        raised = str(e)
+    dist.barrier()  # a rank that returned as if saved would pair this with a save's own
+    return raised, sharc.load_checkpoint(path, model, opt)
+
+
+def test_an_extra_json_cannot_hold_is_refused_on_every_rank_before_saving(tmp_path):
+    """extra={"rng": torch.get_rng_state()}: before, rank 0 alone raised, in
+    its json.dump after every rank had saved its shards, while the others
+    returned as if saved (and their next collective met rank 0's next one).
+    Now every rank raises first, naming the key, and the last checkpoint
+    stands."""
+    path = str(tmp_path / "ckpt")
+    for raised, extra in run_ranks(_save_with_a_tensor_in_extra, 2, path, timeout=60):
+        assert raised is not None, "save_checkpoint returned on this rank as if saved"
+        assert "extra['rng'] (Tensor) is not" in raised, raised
+        assert ".item() or .tolist()" in raised, raised
+        assert extra == {"step": 1}

@@ -52,6 +52,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     is replaced only once the new checkpoint is complete."""
     path = os.fspath(path)
     group = sharded_root(model).group
+    extra_json = _extra_as_json(extra)  # on every rank: rank 0 alone writes it
     tmp = _partial(path)
     if dist.get_rank(group) == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a save that died
@@ -64,9 +65,47 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         with open(os.path.join(tmp, MANIFEST_FILE), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
         with open(os.path.join(tmp, EXTRA_FILE), "w") as f:
-            json.dump(extra or {}, f)
+            f.write(extra_json)
         _publish(tmp, path)
     dist.barrier(group=group)  # nobody reads `path` before it is published
+
+
+def _extra_as_json(extra: dict | None) -> str:
+    """`extra` as the JSON text rank 0 writes, checked on every rank before
+    anything is saved: a value JSON cannot hold (a tensor, such as
+    torch.get_rng_state()) raised in rank 0's write alone, after the
+    shards were saved, while the other ranks returned as if saved and went
+    on to their next collective."""
+    try:
+        return json.dumps(extra or {})
+    except (TypeError, ValueError) as e:
+        where = _first_not_json(extra)
+        raise TypeError(
+            f"sharc.save_checkpoint: extra must be JSON-serialisable (numbers, strings, "
+            f"bools, None, lists and dicts with string keys), but extra{where or ''} is not "
+            f"({e}). Convert tensors with .item() or .tolist(), or save other objects "
+            "yourself beside the checkpoint; nothing was saved") from None
+
+
+def _first_not_json(value, where: str = "") -> str | None:
+    """The path (`["rng"]`) of the first value in `value` JSON cannot hold."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                return f"{where}[{key!r}] (its key)"
+            found = _first_not_json(item, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _first_not_json(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    return f"{where} ({type(value).__name__})"
 
 
 def _publish(tmp: str, path: str) -> None:
