@@ -5,7 +5,10 @@ equal to single-process training.
 
 The case that once crashed: `x * w[0] + w[1:].sum()`. The first use is
 inlined into the final add, which Inductor emitted after the release that
-followed the last use in graph order."""
+followed the last use in graph order. And one that read a released bias: a
+layer run under no_grad and again with grad, on one row, whose first use
+(`bias * 1`) a value lowered before the release inlined, used after it
+([Note: a release waits for the values computed from its buffer])."""
 
 import functools
 
@@ -45,6 +48,29 @@ class ViewsAndSlices(nn.Module):
         return h.pow(2).mean()
 
 
+class NoGradThenGrad(nn.Module):
+    """A target computed under no_grad by the layer that then runs with
+    grad: on one row Inductor's CPU addmm becomes `(x.T * w).sum() + bias * 1`,
+    and `bias * 1` is inlined into `h + target`, computed after the bias's
+    release."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.lin(x[:, :1])
+        h = self.lin(x)
+        return self.head(h + target).pow(2).mean()
+
+
+def make_no_grad_then_grad():
+    torch.manual_seed(0)
+    return NoGradThenGrad()
+
+
 def make_multi_use():
     torch.manual_seed(0)
     return MultiUse()
@@ -65,7 +91,13 @@ def batch_2d(step, rank, world):
     return (torch.randn(3, 4, generator=g),)
 
 
+def batch_one_row(step, rank, world):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.randn(1, 5, 4, generator=g),)
+
+
 CASES = {
+    "no_grad_then_grad": (make_no_grad_then_grad, batch_one_row, None),
     "multi_use": (make_multi_use, batch_1d, None),
     "views": (make_views, batch_2d, None),
     # A shell-style pattern: "w*" names w and not lin.weight (the kept

@@ -23,7 +23,7 @@ import torch
 from sharc._compile.fx_to_ir import LoweredGraph, ParamSlot
 from sharc._compile.ops import (PREFETCH_NEXT_GRAPH, RELEASE, START_GATHER,
                                 START_REDUCE_SCATTER, START_REPLICATE_ALL_REDUCE, WAIT_GATHER,
-                                WAIT_REDUCE_SCATTER, is_tensor)
+                                WAIT_REDUCE_SCATTER, is_call, is_tensor, is_view)
 
 
 class _Rebuild:
@@ -174,4 +174,53 @@ def rebuild(original: fx.Graph, lowered: LoweredGraph,
     `graph_kind` (ops.FORWARD_GRAPH or BACKWARD_GRAPH) and `budget` (the
     schedule's memory budget, -1 for none) go to the runtime for
     cross-graph prefetch."""
-    return _Rebuild(original, lowered, dtypes, graph_kind, budget).run(nodes)
+    graph = _Rebuild(original, lowered, dtypes, graph_kind, budget).run(nodes)
+    _release_after_live_values(graph)
+    return graph
+
+
+# [Note: a release waits for the values computed from its buffer]
+# The C++ pass makes a release read its parameter's last users' outputs
+# (insert_gather_release.cpp, `sinks`), so Inductor computes each of them
+# before the release. That does not stop a read of the freed buffer later:
+# Inductor lowers nodes in graph order and inlines an unrealized pointwise
+# value into each consumer as it lowers it, so a consumer lowered before the
+# release (`t = b * 1` then `u = x + t`, with the release after `b`'s last
+# use) carries the read of `b` in its own loop body, and when `u` is used
+# after the release, the kernel that finally computes it runs there and
+# reads freed storage. Seen with a Linear run under no_grad and again with
+# grad, on one row (Inductor's CPU addmm decomposition makes `bias * 1`):
+# the released bias was read. A release therefore also reads every value
+# computed from its buffer before it and used after it: as inputs of the
+# release's fallback kernel they are realized there, before any later node
+# lowers, so later kernels load them instead of recomputing them from the
+# buffer, and each is computed before the release frees the buffer.
+
+
+def _release_after_live_values(graph: fx.Graph) -> None:
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for release in [n for n in graph.nodes if is_call(n, RELEASE)]:
+        full, after = release.args[0], release.args[1]
+        live = _computed_from(full, position, position[release])
+        release.args = (full, after + [n for n in live if n not in after], *release.args[2:])
+
+
+def _computed_from(full: fx.Node, position: dict[fx.Node, int], release: int) -> list[fx.Node]:
+    """The tensors computed from `full` (not views of it) before position
+    `release` and used after it, in graph order."""
+    derived, stack = {full}, [full]
+    while stack:
+        for user in stack.pop().users:
+            if user not in derived and position[user] < release:
+                derived.add(user)
+                stack.append(user)
+    live = [n for n in derived
+            if n is not full and is_tensor(n) and not _views(n, full)
+            and any(position[u] > release for u in n.users)]
+    return sorted(live, key=position.__getitem__)
+
+
+def _views(node: fx.Node, full: fx.Node) -> bool:
+    while is_view(node):
+        node = node.args[0]
+    return node is full
