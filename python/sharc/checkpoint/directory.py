@@ -79,7 +79,10 @@ def _extra_as_json(extra: dict | None) -> str:
     try:
         return json.dumps(extra or {})
     except (TypeError, ValueError) as e:
-        where = _first_not_json(extra)
+        try:
+            where = _first_not_json(extra)
+        except RecursionError:  # a value that holds itself: json's message says so
+            where = None
         raise TypeError(
             f"sharc.save_checkpoint: extra must be JSON-serialisable (numbers, strings, "
             f"bools, None, lists and dicts with string keys), but extra{where or ''} is not "
