@@ -92,8 +92,10 @@ def batch_2d(step, rank, world):
 
 
 def batch_one_row(step, rank, world):
+    """One sequence a rank, its length changing by step (the no_grad
+    branch's first position stays one row)."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    return (torch.randn(1, 5, 4, generator=g),)
+    return (torch.randn(1, (5, 7, 3, 5)[step % 4], 4, generator=g),)
 
 
 CASES = {
