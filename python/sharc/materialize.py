@@ -248,7 +248,12 @@ def _check_initialisers(model, root, owners, init_fn, hf_owners,
                 rebuilds[id(sub)] = twin
                 continue
             written = [local for local in created if pids[local] in written_when_built]
-            if written:
+            # With init_fn the user names an initialiser that may write them
+            # again (a root whose __init__ ends with `self.apply(init)`
+            # writing its own cls_token): bitwise unless the module also drew
+            # while it was built, which the branch below warns of; a parameter
+            # init_fn leaves unwritten is refused after the replay.
+            if written and init_fn is None:
                 cls = _class_name(sub)
                 raise RuntimeError(
                     f"sharc.init_weights: module '{name}' ({cls}) writes its parameters "
@@ -260,8 +265,9 @@ def _check_initialisers(model, root, owners, init_fn, hf_owners,
                     f"it, would differ from a normal build. Give {cls} a reset_parameters() "
                     "that initialises them in place (and call it from __init__), keep each "
                     f"argument of {cls}.__init__ as an attribute of the same name (sharc then "
-                    "builds the module again, drawing alike), or load values with "
-                    "sharc.load_full_state_dict")
+                    "builds the module again, drawing alike), pass init_fn=(module -> None) "
+                    "that initialises them (the function the model's __init__ applies to "
+                    "its modules), or load values with sharc.load_full_state_dict")
         if init_fn is not None or id(sub) in hf_owners:
             draw = _init_rebuild.draw_in_init(sub) if created else None
             if draw is not None:

@@ -397,9 +397,10 @@ DRAWN_LEAF = {  # a head after it shows the stream was not shifted
 }
 
 
-def _meta_and_normal(cases):
+def _meta_and_normal(cases, init_fns=None):
     """name -> the normally built model's state and buffers, and the
-    meta-built model's after init_weights (same seed)."""
+    meta-built model's after init_weights (same seed); init_fns: name ->
+    (meta-built model -> the init_fn to pass)."""
     import transformers  # noqa: F401  (so the models are recognised)
 
     import sharc
@@ -416,7 +417,8 @@ def _meta_and_normal(cases):
         sharc.shard(meta)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sharc.init_weights(meta)
+            init_fn = (init_fns or {}).get(name)
+            sharc.init_weights(meta, init_fn=init_fn and init_fn(meta))
         out[name] = dict(want=want, got=sharc.full_state_dict(meta), want_buffers=want_buffers,
                          got_buffers={k: v.clone() for k, v in meta.named_buffers()},
                          warned=[str(w.message) for w in caught
@@ -484,8 +486,11 @@ def _user_init_in_constructor(rank, world):
     out = _meta_and_normal(DRAWN_LEAF)
     opaque = sharc.shard(_meta_model(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4),
                                                                  _DrawnOpaque(4))))
-    out["opaque_init_fn"] = _error(lambda: sharc.init_weights(opaque, init_fn=lambda m: None))
     out["opaque"] = _error(lambda: sharc.init_weights(opaque))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its draw in __init__: test_root_... below
+        out["opaque_init_fn"] = _error(lambda: sharc.init_weights(opaque,
+                                                                  init_fn=lambda m: None))
     return out
 
 
@@ -493,11 +498,12 @@ def test_a_leaf_drawing_in_its_constructor_is_built_again_or_refused():
     """A module of the user's that draws in __init__ without
     reset_parameters() is built again from the attributes named as its
     arguments; one that cannot be is refused, naming it, even with init_fn
-    (the stream would shift for every later module)."""
+    (the stream would shift for every later module), unless init_fn is given
+    to write it: one that leaves it unwritten is refused after the replay."""
     for out in run_ranks(_user_init_in_constructor, 2):
         opaque, opaque_init_fn = out.pop("opaque"), out.pop("opaque_init_fn")
         assert _differing(out) == {name: [] for name in DRAWN_LEAF}
-        kind, message = opaque_init_fn
+        kind, message = opaque
         assert kind == "RuntimeError"
         assert message.startswith(
             "sharc.init_weights: module '1' (_DrawnOpaque) writes its parameters ['1.w'] in its "
@@ -505,7 +511,10 @@ def test_a_leaf_drawing_in_its_constructor_is_built_again_or_refused():
             "reset_parameters()."), message
         assert "its __init__ argument 'n' is not kept as an attribute of the same name" in message
         assert "Give _DrawnOpaque a reset_parameters()" in message
-        assert opaque == opaque_init_fn
+        assert "pass init_fn=(module -> None) that initialises them" in message
+        assert opaque_init_fn[0] == "RuntimeError"
+        assert opaque_init_fn[1].startswith(
+            "sharc.init_weights: no initialiser wrote the parameter '1.w'"), opaque_init_fn
 
 
 class _ZeroInitLastNorm(torch.nn.Module):
@@ -578,3 +587,63 @@ def test_a_write_in_an_init_that_the_replay_cannot_run_again_is_warned_of():
             assert message.startswith(f"sharc.init_weights: building the model wrote the "
                                       f"parameter '{param}' in place more often"), message
             assert "reset_parameters()" in message and "init_fn" in message
+
+
+class _TokenRoot(torch.nn.Module):
+    """A root as timm's vision transformers are built: it creates its own
+    class token and position table, and its __init__ ends with
+    `self.apply(self._init_weights)`, which also writes those two (the root
+    has no reset_parameters())."""
+
+    def __init__(self, table=None, d=8, tokens=5):
+        super().__init__()
+        self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = torch.nn.Parameter(torch.zeros(1, tokens, d) if table is None else table)
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.LayerNorm(d),
+                                          torch.nn.Linear(d, d))
+        self.head = torch.nn.Linear(d, 3)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.trunc_normal_(module.weight, std=.02)
+            torch.nn.init.zeros_(module.bias)
+        if isinstance(module, _TokenRoot):
+            torch.nn.init.trunc_normal_(module.pos_embed, std=.02)
+            torch.nn.init.normal_(module.cls_token, std=1e-6)
+
+
+class _DrawnTokenRoot(_TokenRoot):
+    """The same with the table drawn where it is made (timm's
+    `nn.Parameter(torch.randn(...) * .02)`), before the blocks are built."""
+
+    def __init__(self):
+        super().__init__(table=torch.randn(1, 5, 8) * .02)
+
+
+TOKEN_ROOTS = {"zeros": _TokenRoot, "drawn": _DrawnTokenRoot}
+
+
+def _token_roots(rank, world):
+    return _meta_and_normal(TOKEN_ROOTS, {name: lambda m: m._init_weights
+                                          for name in TOKEN_ROOTS})
+
+
+def test_a_root_writing_its_own_parameters_in_its_apply_loop_is_initialised_by_init_fn():
+    """The init_fn README names for a model whose __init__ ends with
+    `self.apply(init_fn)`. Before, refused when the root (no
+    reset_parameters()) created a parameter the loop writes: "writes its
+    parameters ['cls_token', 'pos_embed'] in its __init__", though init_fn
+    writes them again. Now bitwise a normal build, unwarned; with the table
+    drawn where it is made, initialised and warned that later draws shift."""
+    for out in run_ranks(_token_roots, 2):
+        assert _differing(out)["zeros"] == []
+        assert out["zeros"]["warned"] == []
+        (message,) = out["drawn"]["warned"]
+        assert "module '' (_DrawnTokenRoot) draws random numbers in its __init__" in message, \
+            message
+        # Every value init_fn writes without drawing is the normal build's;
+        # the drawn ones differ, as the warning says.
+        differ = _differing(out)["drawn"]
+        assert differ and all(k.endswith("weight") or k in ("cls_token", "pos_embed")
+                              for k in differ), differ
