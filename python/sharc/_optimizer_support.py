@@ -6,7 +6,8 @@ slice of it. An element-wise optimizer (SGD, Adam, AdamW, Adagrad, ...)
 computes each element from that element alone, so its numbers on a slice
 are exactly those on the whole. A few of torch's compute over the whole
 parameter or over all parameters together: on shards they would silently
-compute other numbers (Adafactor), let the ranks decide differently and
+compute other numbers (Adafactor, and other libraries' LAMB, LARS, AdamP,
+NovoGrad, Kron and Shampoo), let the ranks decide differently and
 desynchronise their forwards (LBFGS's stopping test), or fail with
 torch's own message that never says why (Muon, SparseAdam). So sharc's
 optimizer step pre-hook refuses them at their first step when they hold
@@ -58,6 +59,43 @@ _REFUSED = {
         "embedding's too, into a dense shard",
         _ELEMENT_WISE),
 }
+
+# Other libraries' algorithms of the same kind (timm's, apex's, bitsandbytes',
+# torch_optimizer's classes go by these names), measured on timm's Lamb: 2
+# ranks' losses 1.37 and 1.51 against one process's 1.59 and 1.52 after its
+# first step. Element-wise ones (Lion, Adan, MADGRAD, ADOPT, RAdam, LaProp)
+# train shards as they do whole parameters.
+_TRUST_RATIO = (
+    "it scales each parameter's update by a ratio of that whole parameter's norms (the "
+    "weight's to the update's or the gradient's), and a shard's norm is its slice's alone, "
+    "so the numbers would silently differ",
+    f"{_ELEMENT_WISE} (without its trust ratio, LAMB is AdamW)")
+_MATRIX_PRECONDITIONER = (
+    "it preconditions each gradient by matrices built along the parameter's dimensions, "
+    "which a flat 1-D slice does not have",
+    _ELEMENT_WISE)
+for _name in ("Lamb", "LAMB", "FusedLamb", "FusedLAMB", "LAMB8bit", "LAMB32bit",
+              "Lars", "LARS", "LARS8bit", "LARS32bit"):
+    _REFUSED[_name] = _TRUST_RATIO
+for _name in ("Kron", "Shampoo", "DistributedShampoo", "SOAP"):
+    _REFUSED[_name] = _MATRIX_PRECONDITIONER
+_REFUSED["AdafactorBigVision"] = _REFUSED["Adafactor"]
+for _name in ("AdamP", "SGDP"):
+    _REFUSED[_name] = (
+        "it removes from each update its part along the whole parameter (or along each of "
+        "its output channels), by a cosine a flat slice cannot take, so the numbers would "
+        "silently differ", _ELEMENT_WISE)
+for _name in ("NovoGrad", "NvNovoGrad"):
+    _REFUSED[_name] = (
+        "its second moment is one number per parameter, the whole parameter's squared "
+        "gradient norm, which on a shard is its slice's alone, so the numbers would "
+        "silently differ", _ELEMENT_WISE)
+_REFUSED["Mars"] = (
+    "it clips each parameter's corrected gradient by that whole parameter's norm and treats "
+    "2-D parameters apart, neither of which a flat slice tells", _ELEMENT_WISE)
+_REFUSED["Adahessian"] = (
+    "it averages its Hessian estimate over each convolution kernel by the parameter's 4-D "
+    "shape, which a flat slice does not have", _ELEMENT_WISE)
 
 # optimizer -> how many param groups it had when found to hold no shard
 _NO_SHARD_SEEN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = (

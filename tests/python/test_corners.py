@@ -762,6 +762,25 @@ _WHOLE_PARAMETER_OPTIMIZERS = {
 }
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB as other libraries write it (timm's, apex's): each update scaled
+    by the whole parameter's norm over the update's. Refused by its name."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    update = p.grad / (p.grad.abs() + 1e-8)
+                    p.add_(update, alpha=-group["lr"] * float(p.norm() / update.norm()))
+        return loss
+
+
 def _loss_closure(model, rank, world):
     def closure():
         model.zero_grad()
@@ -815,6 +834,10 @@ def _whole_parameter_optimizers(rank, world):
 
     sharded_errors["transformers Adafactor"] = _steps(
         model, lambda params: HFAdafactor(params, lr=1e-3, relative_step=False), rank, world)
+    sharded_errors["another library's Lamb"] = _steps(model, Lamb, rank, world)
+    before = {n: p.clone() for n, p in plain.state_dict().items()}
+    plain_errors["another library's Lamb"] = _steps(plain, Lamb, rank, world)
+    plain_moved["another library's Lamb"] = _moved(plain, before)
     before = sharc.full_state_dict(model)
     adamw_errors = _steps(model, torch.optim.AdamW, rank, world)
     adamw_moved = any(not torch.equal(v, before[n])
@@ -823,8 +846,8 @@ def _whole_parameter_optimizers(rank, world):
 
 
 def test_optimizers_over_whole_parameters_are_refused_on_shards_and_step_elsewhere():
-    """LBFGS and Adafactor compute over whole parameters (or all of them
-    together): on flat shards they would silently give other numbers, so
+    """LBFGS, Adafactor and other libraries' LAMB compute over whole
+    parameters (or all of them together): on flat shards they would silently give other numbers, so
     their first step over a shard raises, naming them and what to use.
     Over an unsharded model in the same process they step as ever, and an
     element-wise optimizer still trains the shards."""
@@ -832,7 +855,13 @@ def test_optimizers_over_whole_parameters_are_refused_on_shards_and_step_elsewhe
             _whole_parameter_optimizers, 2):
         names = ["LBFGS", "Adafactor", "SparseAdam"] + (
             ["Muon"] if hasattr(torch.optim, "Muon") else [])
-        assert sorted(sharded) == sorted(names + ["transformers Adafactor"]), sharded
+        assert sorted(sharded) == sorted(
+            names + ["transformers Adafactor", "another library's Lamb"]), sharded
+        for message in sharded.pop("another library's Lamb"):  # by its name: timm's, apex's
+            assert message is not None and message.startswith(
+                "sharc: test_corners.Lamb (Lamb) cannot train sharded parameters"), message
+            assert "a ratio of that whole parameter's norms" in message, message
+            assert "without its trust ratio, LAMB is AdamW" in message, message
         for message in sharded.pop("transformers Adafactor"):  # refused by its name
             assert message is not None and message.startswith(
                 "sharc: transformers.optimization.Adafactor (Adafactor) cannot train sharded "
