@@ -12,9 +12,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from sharc import (_added_after_shard, _held_gradients, _mesh, _optimizer_support,
-                   _optimizer_writes, _parametrize_removal, _torch_clip, _validate,
-                   compute_threads, mixed_precision)
+from sharc import (_added_after_shard, _decay_groups, _held_gradients, _mesh,
+                   _optimizer_support, _optimizer_writes, _parametrize_removal, _torch_clip,
+                   _validate, compute_threads, mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -207,6 +207,7 @@ def _check_optimizer_params(optimizer, *_args, **_kwargs) -> None:
                     "no longer trains; create the optimizer after shard() from "
                     "model.parameters() (the shards)")
     _optimizer_support.check_step(optimizer)
+    _decay_groups.check(optimizer)  # [Note: decay groups by dimension]
     _held_gradients.refuse_step_over_held(optimizer)  # [Note: gradients held by no_sync]
 
 
@@ -239,6 +240,7 @@ def _register(runtime, group_name: str, named, dtypes,
         vars(shard).update(vars(p))
         _torch_clip.mark_shard(shard, group_name)
         _optimizer_writes.mark_shard(shard, pid)
+        _decay_groups.mark_shard(shard, tuple(p.shape), fqn)
         d = dtypes[p]
         if d.grad != p.dtype:
             shard.grad_dtype = d.grad  # accumulated in the dtype the user asked for

@@ -884,6 +884,57 @@ def test_optimizers_over_whole_parameters_are_refused_on_shards_and_step_elsewhe
         assert adamw_errors == [None, None] and adamw_moved
 
 
+# -- weight-decay groups chosen by dimension ----------------------------------------------
+def _groups_by_dim(model, decay=0.1):
+    """nanoGPT's configure_optimizers: matrices decayed, vectors not."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _groups_by_name(model, decay=0.1):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": decay},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+def _decay_group_warnings(rank, world):
+    import warnings
+
+    import sharc
+
+    model = make_net()
+    sharc.shard(model)
+    plain = make_net()
+    warned = {}
+    for name, net, groups in (("by dim, sharded", model, _groups_by_dim),
+                              ("by name, sharded", model, _groups_by_name),
+                              ("by dim, unsharded", plain, _groups_by_dim)):
+        opt = torch.optim.AdamW(groups(net), lr=1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # warned once, not at every step
+                net(*batch(0, rank, world)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        warned[name] = [str(w.message) for w in caught if "weight decay" in str(w.message)]
+    return warned
+
+
+def test_weight_decay_groups_chosen_by_the_dimension_of_shards_are_warned_of():
+    """nanoGPT's and timm's groups (`p.dim() >= 2` decayed) put every flat
+    shard in the group without decay: training silently ran with none. Now
+    the first step warns, naming a matrix left undecayed and to choose by
+    name; groups chosen by name, and unsharded models, are not warned of."""
+    for warned in run_ranks(_decay_group_warnings, 2):
+        (message,) = warned["by dim, sharded"]
+        assert message.startswith(
+            "sharc: this AdamW has a param group with weight decay, yet no parameter of two "
+            "or more dimensions is decayed ('"), message
+        assert "Choose the groups from model.named_parameters() by name" in message
+        assert warned["by name, sharded"] == [] and warned["by dim, unsharded"] == []
+
+
 # -- dtype and device changes, deep copies after shard() ------------------------------
 def _after_shard_changes(rank, world):
     import copy
