@@ -12,7 +12,9 @@ name; this check catches code that did not. At an optimizer's first step
 (and again after add_param_group) it looks for that signature: a group that
 asks for weight decay while every shard of a parameter of two or more
 dimensions sits in groups without it. Only a warning, as a model could mean
-it; the message names a matrix left undecayed and the way out.
+it; the message names a matrix left undecayed and the way out. timm drops
+the empty group and builds the optimizer with no decay, which cannot be
+told from a choice of none: not warned of (the README names it).
 """
 
 from __future__ import annotations
@@ -50,9 +52,8 @@ def check(optimizer: torch.optim.Optimizer) -> None:
         f"sharc: this {type(optimizer).__name__} has a param group with weight decay, yet "
         f"no parameter of two or more dimensions is decayed ('{matrices[0][0]}' is in a group "
         "without it). After sharc.shard() every parameter the optimizer holds is a flat 1-D "
-        "shard, so groups chosen by p.dim() or p.ndim (p.dim() >= 2 decayed, as nanoGPT and "
-        "timm's param_groups_weight_decay choose) put every parameter in the group without "
-        "decay. Choose the groups from model.named_parameters() by name instead (biases and "
+        "shard, so groups chosen by p.dim() or p.ndim (p.dim() >= 2 decayed, as nanoGPT's "
+        "configure_optimizers chooses) put every parameter in the group without decay. Choose the groups from model.named_parameters() by name instead (biases and "
         "norm weights undecayed; the names are unchanged by shard())", stacklevel=4)
 
 
