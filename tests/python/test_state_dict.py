@@ -50,6 +50,13 @@ def _writes_into_state_dict_values(rank, world):
         error = "no error"
     except RuntimeError as e:
         error = str(e)
+    try:  # timm's ModelEmaV3: all values at once
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.state_dict().values()),
+                                 list(model.state_dict().values()), 0.5)
+        foreach_error = "no error"
+    except RuntimeError as e:
+        foreach_error = str(e)
     unchanged = all(torch.equal(v, before[k]) for k, v in sharc.full_state_dict(ema).items())
     buffer = io.BytesIO()
     torch.save(ema.state_dict(), buffer)  # a file of plain tensors, loadable without sharc
@@ -59,16 +66,20 @@ def _writes_into_state_dict_values(rank, world):
     snapshot = copy.deepcopy(ema.state_dict())  # a best-model snapshot: plain, writable
     for v in snapshot.values():
         v.mul_(0.5)
-    return error, unchanged, {k: type(v) for k, v in {**loaded, **snapshot}.items()}
+    return error, foreach_error, unchanged, {k: type(v) for k, v in {**loaded, **snapshot}.items()}
 
 
 def test_an_in_place_write_to_a_state_dict_value_raises():
     """Before: the values were plain gathered copies, so the write changed
-    only them, and the EMA model never moved, silently."""
-    for error, unchanged, types in run_ranks(_writes_into_state_dict_values, 2):
+    only them, and the EMA model never moved, silently; a foreach write
+    (`torch._foreach_lerp_`, timm's ModelEmaV3) passed the check after that."""
+    for error, foreach_error, unchanged, types in run_ranks(_writes_into_state_dict_values, 2):
         assert error.startswith("sharc: 'weight' read outside forward is a copy of the "
                                 "sharded parameter; copy_ on it would change the copy only"), error
         assert "sharc.unsharded(model, writeback=True)" in error
+        assert foreach_error.startswith(
+            "sharc: 'weight' read outside forward is a copy of the sharded parameter; "
+            "_foreach_lerp_ on it would change the copy only"), foreach_error
         assert unchanged
         assert set(types.values()) == {torch.Tensor}, types  # saved and deep-copied
 

@@ -334,6 +334,10 @@ class OutsideForwardCopy(torch.Tensor):
         in_place = name in _WRITES or (name.endswith("_") and not name.startswith("_")
                                        and name not in _HARMLESS)
         target = _first_tensor(args, kwargs)
+        if name.startswith("_foreach_") and name.endswith("_"):
+            # torch._foreach_lerp_(ema.state_dict().values(), ...) (timm's
+            # ModelEmaV3) writes every tensor of its first list.
+            in_place, target = True, _first_copy_among(cls, target)
         if isinstance((kwargs or {}).get("out"), cls):  # torch.eye(n, out=w): a write too
             in_place, target = True, kwargs["out"]
         if isinstance(target, cls) and _sets_requires_grad(func, name):
@@ -372,6 +376,13 @@ def _first_tensor(args, kwargs):
     if args:
         return args[0]
     return next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
+
+
+def _first_copy_among(cls, tensors):
+    """The first OutsideForwardCopy in a foreach op's list, or None."""
+    if isinstance(tensors, (list, tuple)):
+        return next((t for t in tensors if isinstance(t, cls)), None)
+    return None
 
 
 def _views_as_copies(out, copy: OutsideForwardCopy):
