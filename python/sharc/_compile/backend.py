@@ -42,11 +42,32 @@ from sharc.config import CompileConfig
 
 def sharc_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
     """Entry point torch.compile calls (`backend="sharc"`)."""
+    _refuse_compiled_autograd_graph()
     compilation = fx_pipeline.Compilation(CompileConfig.from_options(options))
     fx_pipeline.run("dynamo", gm, compilation)
     if compilation.config.inductor:
         return _compile_with_inductor(gm, example_inputs, compilation)
     return _compile_without_inductor(gm, example_inputs, compilation)
+
+
+def _refuse_compiled_autograd_graph() -> None:
+    """Compiled autograd (torch._dynamo.config.compiled_autograd, or
+    compiled_autograd._enable with this backend) traces a whole backward
+    pass into one graph and compiles it with the frame's backend. For a
+    sharded model that graph holds the backward sharc already scheduled
+    when it compiled the forward (its gathers, releases and reduce-scatters,
+    whose gradients the graph then accumulates), which the scheduler cannot
+    take as its input: it failed deep inside, calling itself buggy."""
+    from torch._dynamo import compiled_autograd
+
+    if compiled_autograd.in_compiled_autograd_region:
+        from sharc._compile.errors import SharcCompileError
+
+        raise SharcCompileError(
+            "sharc: compiled autograd (torch._dynamo.config.compiled_autograd = True, or "
+            "torch._dynamo.compiled_autograd._enable(...)) hands backend='sharc' a whole "
+            "backward pass, but sharc schedules a sharded model's backward itself, when it "
+            "compiles the forward; leave compiled autograd off for a sharded model")
 
 
 def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilation):
