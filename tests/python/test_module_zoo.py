@@ -242,6 +242,33 @@ def test_the_users_saved_tensor_hooks_see_every_save(mode):
             assert len(r["counts"]) == len(counts)
 
 
+def _rank_under_hooks_changing_shards(rank, world):
+    import sharc
+
+    model = _make("Checkpointed")
+    sharc.shard(model)
+    compiled = torch.compile(model, backend="sharc")
+    shards = {id(p) for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t.double() if id(t) in shards else t, lambda t: t):
+        loss = compiled(*batch(0, rank, world))
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_saved_tensor_hooks_that_change_a_saved_shard_are_named():
+    """A copy of a saved shard passes in a compiled backward; one of another
+    dtype (an unpack that does not undo its pack) is named as such, not as
+    a shard whose .data was replaced."""
+    for message in run_ranks(_rank_under_hooks_changing_shards, 2, timeout=300):
+        assert message is not None and "came back from the forward's saved tensors" in message, \
+            message
+        assert "saved_tensors_hooks unpack must return what its pack was given" in message, message
+
+
 class TwoLayerRecurrent(nn.Module):
     def __init__(self):
         super().__init__()
