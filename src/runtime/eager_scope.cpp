@@ -32,6 +32,22 @@ class DropBackwardHold : public torch::autograd::FunctionPostHook {
     return outputs;
   }
 
+  // Compiled autograd asks every hook to describe itself before running
+  // the backward; torch's default answer names only this class. The eager
+  // schedule's backward (re-gathers from saved-tensor hooks, reductions
+  // from these hooks) is not one compiled autograd can capture, so the
+  // refusal names the cause and the ways out instead.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false,
+        "sharc: compiled autograd (torch._dynamo.compiled_autograd._enable, or "
+        "torch._dynamo.config.compiled_autograd = True) cannot capture the backward of a "
+        "sharded model's eager forward (or of its code between compiled graphs): sharc "
+        "re-gathers its parameters and reduces its gradients there from hooks. Run this "
+        "backward without compiled autograd; torch.compile(model, backend=\"sharc\") "
+        "compiles and schedules the backward itself.");
+  }
+
  private:
   c10::weak_intrusive_ptr<Runtime> runtime_;
   int64_t root_;

@@ -1154,6 +1154,24 @@ at::Tensor Runtime::hand_out(ShardedParam& p) {
 void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
   std::lock_guard<std::mutex> lock(mutex_);
   ShardedParam& p = param(id);
+  // [Note: a saved shard copied by the user's hooks]
+  // In backward, a graph's re-gather reads the shard autograd unpacked from
+  // the forward's saved tensors, and saved-tensor hooks of the user's
+  // (torch.autograd.graph.save_on_cpu off the CPU, an offloader, a pack
+  // that clones) hand back a copy of it there, not the registered shard.
+  // The runtime gathers its registered shard, whose values the copy holds,
+  // so there a copy of its size and dtype passes; anything else means the
+  // hooks changed it.
+  if (torch::autograd::get_current_graph_task_id() != -1 &&
+      !shard.storage().is_alias_of(p.shard.storage())) {
+    SHARC_CHECK(shard.numel() == p.shard.numel() && shard.scalar_type() == p.shard.scalar_type(),
+                "sharc: in backward, the shard of '", p.name, "' (id ", id,
+                ") came back from the forward's saved tensors as ", shard.numel(),
+                " elements of ", shard.scalar_type(), ", not the ", p.shard.numel(),
+                " elements of ", p.shard.scalar_type(), " saved: a saved_tensors_hooks "
+                "unpack must return what its pack was given (same size and dtype)");
+    return;
+  }
   SHARC_CHECK(shard.storage().is_alias_of(p.shard.storage()), "sharc: the tensor passed "
               "as the shard of '", p.name, "' (id ", id, ", group '", comm_.group_name(),
               "') is not the shard sharc registered. Either the module was sharded on a "

@@ -69,3 +69,79 @@ def test_backend_is_registered_through_the_entry_point():
 
     import sharc  # noqa: F401
     assert "sharc" in list_backends(exclude_tags=())
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _mlp_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    n = (3, 5, 4)[step % 3]  # the ranks' sizes change by step
+    return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _in_mode(rank, world, mode):
+    """Three SGD steps compiled in `mode`: per-step losses, final full
+    parameters, and Inductor's max_autotune as each graph compiled under
+    it; or the error the mode raised."""
+    from torch._inductor import compile_fx
+    from torch._inductor import config as inductor_config
+
+    import sharc
+
+    autotuned = []
+    original = compile_fx.compile_fx_inner
+
+    def recording(*args, **kwargs):
+        autotuned.append(inductor_config.max_autotune)
+        return original(*args, **kwargs)
+
+    compile_fx.compile_fx_inner = recording
+    model = _mlp()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="sharc", mode=mode)
+    losses = []
+    try:
+        for step in range(3):
+            x, y = _mlp_batch(step, rank)
+            loss = torch.nn.functional.mse_loss(compiled(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item() * len(x))
+    except Exception as e:  # Dynamo's BackendCompilerFailed around sharc's error
+        return str(e)
+    return losses, dict(sharc.full_state_dict(model)), autotuned
+
+
+def test_a_mode_reaches_inductor_or_is_refused():
+    """torch.compile(mode=...) reaches a backend other than Inductor as a
+    keyword: sharc once dropped it silently. max-autotune-no-cudagraphs
+    now compiles every graph (forward and backward) under its settings and
+    trains as one process does; a mode with CUDA graphs is refused, naming
+    them, on every rank."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        parts = [_mlp_batch(step, r) for r in range(2)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item() * len(x))
+    results = run_ranks(_in_mode, 2, "max-autotune-no-cudagraphs", timeout=300)
+    for step, total in enumerate(want):
+        got = sum(r[0][step] for r in results)
+        assert abs(got - total) <= 1e-4 * abs(total), (step, got, total)
+    for losses, params, autotuned in results:
+        assert autotuned and all(autotuned), autotuned
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+    for message in run_ranks(_in_mode, 2, "reduce-overhead", timeout=300):
+        assert isinstance(message, str) and "mode='reduce-overhead'" in message, message
+        assert "triton.cudagraphs" in message and "max-autotune-no-cudagraphs" in message, message
