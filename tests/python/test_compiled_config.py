@@ -82,10 +82,12 @@ def _mlp_batch(step, rank):
     return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
 
 
-def _in_mode(rank, world, mode):
-    """Three SGD steps compiled in `mode`: per-step losses, final full
-    parameters, and Inductor's max_autotune as each graph compiled under
-    it; or the error the mode raised."""
+def _in_modes(rank, world, modes):
+    """Per mode: three SGD steps compiled in it (per-step losses, final full
+    parameters, Inductor's max_autotune as each graph compiled under it)
+    and the warnings sharc gave."""
+    import warnings
+
     from torch._inductor import compile_fx
     from torch._inductor import config as inductor_config
 
@@ -99,30 +101,40 @@ def _in_mode(rank, world, mode):
         return original(*args, **kwargs)
 
     compile_fx.compile_fx_inner = recording
-    model = _mlp()
-    sharc.shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    compiled = torch.compile(model, backend="sharc", mode=mode)
-    losses = []
-    try:
-        for step in range(3):
-            x, y = _mlp_batch(step, rank)
-            loss = torch.nn.functional.mse_loss(compiled(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item() * len(x))
-    except Exception as e:  # Dynamo's BackendCompilerFailed around sharc's error
-        return str(e)
-    return losses, dict(sharc.full_state_dict(model)), autotuned
+    out = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        autotuned.clear()
+        model = _mlp()
+        sharc.shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="sharc", mode=mode)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x, y = _mlp_batch(step, rank)
+                loss = torch.nn.functional.mse_loss(compiled(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item() * len(x))
+        out[mode] = (losses, dict(sharc.full_state_dict(model)), list(autotuned),
+                     [str(w.message) for w in caught if "mode=" in str(w.message)])
+    return out
 
 
-def test_a_mode_reaches_inductor_or_is_refused():
+MODES = ("max-autotune-no-cudagraphs", "reduce-overhead", "lite")
+
+
+def test_a_mode_reaches_inductor_with_what_sharc_cannot_take_left_off():
     """torch.compile(mode=...) reaches a backend other than Inductor as a
     keyword: sharc once dropped it silently. max-autotune-no-cudagraphs
-    now compiles every graph (forward and backward) under its settings and
-    trains as one process does; a mode with CUDA graphs is refused, naming
-    them, on every rank."""
+    now compiles every graph (forward and backward) under its settings;
+    reduce-overhead's CUDA graphs are left off on the CPU without a word,
+    as Inductor leaves them off there; lite's settings, which skip sharc's
+    joint-graph pass, are left off and warned of. Each trains as one
+    process does."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     want = []
@@ -134,14 +146,19 @@ def test_a_mode_reaches_inductor_or_is_refused():
         opt.step()
         opt.zero_grad()
         want.append(loss.item() * len(x))
-    results = run_ranks(_in_mode, 2, "max-autotune-no-cudagraphs", timeout=300)
-    for step, total in enumerate(want):
-        got = sum(r[0][step] for r in results)
-        assert abs(got - total) <= 1e-4 * abs(total), (step, got, total)
-    for losses, params, autotuned in results:
-        assert autotuned and all(autotuned), autotuned
-        for name, value in model.state_dict().items():
-            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
-    for message in run_ranks(_in_mode, 2, "reduce-overhead", timeout=300):
-        assert isinstance(message, str) and "mode='reduce-overhead'" in message, message
-        assert "triton.cudagraphs" in message and "max-autotune-no-cudagraphs" in message, message
+    results = run_ranks(_in_modes, 2, MODES, timeout=300)
+    for mode in MODES:
+        for step, total in enumerate(want):
+            got = sum(r[mode][0][step] for r in results)
+            assert abs(got - total) <= 1e-4 * abs(total), (mode, step, got, total)
+        for losses, params, autotuned, warned in (r[mode] for r in results):
+            assert autotuned and all(autotuned) == (mode == MODES[0]), (mode, autotuned)
+            for name, value in model.state_dict().items():
+                torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
+            if mode == "lite":
+                (message,) = warned
+                assert message.startswith("sharc: torch.compile(mode='lite') with "
+                                          "backend='sharc' leaves off "), message
+                assert "use_joint_graph_passes" in message, message
+            else:
+                assert warned == [], (mode, warned)

@@ -35,7 +35,7 @@ import functools
 import torch
 import torch.fx as fx
 
-from sharc._compile import fx_pipeline
+from sharc._compile import fx_pipeline, modes
 from sharc._compile.pass_order import gathered_group, in_pass_order
 from sharc.config import CompileConfig
 
@@ -45,46 +45,12 @@ def sharc_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     """Entry point torch.compile calls (`backend="sharc"`); torch passes
     `mode` and `options` only when given."""
     _refuse_compiled_autograd_graph()
-    mode_settings = _inductor_mode_settings(mode)
+    mode_settings = modes.inductor_settings(mode, example_inputs)  # [Note: compile modes]
     compilation = fx_pipeline.Compilation(CompileConfig.from_options(options))
     fx_pipeline.run("dynamo", gm, compilation)
     if compilation.config.inductor:
         return _compile_with_inductor(gm, example_inputs, compilation, mode_settings)
     return _compile_without_inductor(gm, example_inputs, compilation)
-
-
-# The Inductor settings of torch.compile's modes that sharc's graphs can take.
-_HONOURED_MODE_SETTINGS = frozenset({"max_autotune", "coordinate_descent_tuning"})
-# Why the others cannot be.
-_REFUSED_MODE_SETTINGS = {
-    "triton.cudagraphs": "CUDA graphs would replay sharc's gathers and reductions without "
-                         "the runtime that issues and accounts them",
-    "use_joint_graph_passes": "it skips the joint-graph pass in which sharc makes backward "
-                              "re-gather parameters",
-}
-
-
-def _inductor_mode_settings(mode: str | None) -> dict:
-    """torch.compile(mode=...) reaches a backend other than Inductor as a
-    keyword; sharc once swallowed it, so mode="max-autotune-no-cudagraphs"
-    compiled with the defaults, silently. A mode's Inductor settings now
-    apply to the graphs sharc hands Inductor, and a mode with one sharc
-    cannot take is refused, naming it."""
-    if mode is None or mode == "default":
-        return {}
-    from torch._inductor import list_mode_options
-
-    from sharc._compile.errors import SharcCompileError
-
-    settings = list_mode_options(mode)  # torch's error names the modes there are
-    refused = sorted(k for k in settings if k not in _HONOURED_MODE_SETTINGS)
-    if refused:
-        reasons = "; ".join(f"{k}={settings[k]!r}: {_REFUSED_MODE_SETTINGS.get(k, 'not one sharc takes')}"
-                            for k in refused)
-        raise SharcCompileError(
-            f"sharc: torch.compile(mode={mode!r}) sets Inductor settings that backend='sharc' "
-            f"cannot honour ({reasons}); use mode='max-autotune-no-cudagraphs' or the default mode")
-    return settings
 
 
 def _refuse_compiled_autograd_graph() -> None:
@@ -139,8 +105,8 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
     # Inductor's peak-memory reordering cannot see the runtime's gathered
     # buffers: it hoisted every start_gather (inputs: shards only) to the top
     # of a graph, gathering the whole model at once; sharc's passes order them.
-    settings = dict(mode_settings, joint_custom_post_pass=joint_pass, reorder_for_peak_memory=False,
-                    autotune_local_cache=False)
+    settings = dict(mode_settings, joint_custom_post_pass=joint_pass,
+                    reorder_for_peak_memory=False, autotune_local_cache=False)
     with inductor_config.patch(settings), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
