@@ -22,6 +22,14 @@ def check_group(group, who: str = "sharc") -> dist.ProcessGroup:
             f"{who} needs an initialized torch.distributed process group: call "
             "torch.distributed.init_process_group(...) first, or start the ranks with "
             "sharc.launch.launch(), `python -m sharc.train` or torchrun")
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group(ranks) returns on the ranks it leaves out: a
+        # caller that passes it on means this rank should not be here.
+        raise ValueError(
+            f"{who}: this rank (global rank {dist.get_rank()}) is not in the group: "
+            "torch.distributed.new_group(ranks) returns GroupMember.NON_GROUP_MEMBER on "
+            "every rank outside `ranks`. Make this call only on the group's ranks (the "
+            "other ranks need not call it and are not waited for)")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}: group must be a torch.distributed.ProcessGroup (or None for "
                         f"the default group), got {type(group).__name__}")

@@ -251,6 +251,31 @@ def _shard_misuse(rank, world):
     return errors
 
 
+def _shard_over_a_group_without_this_rank(rank, world):
+    import torch.distributed as dist
+
+    import sharc
+
+    only_rank_0 = dist.new_group([0])  # every rank creates it; rank 1 is not in it
+    try:
+        sharc.shard(torch.nn.Linear(3, 3), only_rank_0)
+        return None
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_shard_over_a_group_without_this_rank_names_why():
+    # Before: "group must be a torch.distributed.ProcessGroup ..., got int"
+    # (GroupMember.NON_GROUP_MEMBER is -100), which hid the cause.
+    inside, outside = run_ranks(_shard_over_a_group_without_this_rank, 2, timeout=120)
+    assert inside is None
+    assert outside == (
+        "ValueError", "sharc: this rank (global rank 1) is not in the group: "
+        "torch.distributed.new_group(ranks) returns GroupMember.NON_GROUP_MEMBER on every "
+        "rank outside `ranks`. Make this call only on the group's ranks (the other ranks "
+        "need not call it and are not waited for)")
+
+
 def test_shard_misuse():
     for errors in run_ranks(_shard_misuse, 2, timeout=120):
         for dtype in ("torch.float32", "torch.bfloat16"):
