@@ -882,6 +882,50 @@ def test_dtype_changes_and_deepcopy_after_shard_are_refused_before_changing_anyt
         assert set(dtypes.values()) == {torch.float32}
 
 
+# -- an EMA copy (torch.optim.swa_utils.AveragedModel) ---------------------------------
+def _ema_outputs(rank, world, sharded):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    import sharc
+
+    model = make_net()
+    refused = None
+    if sharded:
+        sharc.shard(model)
+        try:
+            AveragedModel(model)  # deep-copies the sharded model
+        except RuntimeError as e:
+            refused = str(e)
+        model = make_net()
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))  # before shard()
+    if sharded:
+        sharc.shard(model)
+        sharc.shard(ema)  # the recipe the refusal names
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    for step in range(3):
+        x = batch(step, rank, world)[0] if sharded else torch.cat(
+            [batch(step, r, world)[0] for r in range(world)])
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model)
+        with torch.no_grad():
+            outputs.append(ema(torch.ones(2, x.size(1))))
+    return refused, outputs
+
+
+def test_an_ema_copy_is_refused_after_shard_and_trains_made_before_and_sharded_too():
+    # Before, the refusal said only "deep-copy the model before shard()":
+    # an AveragedModel made so but left whole failed at update_parameters
+    # with torch's "The size of tensor a (8) must match the size of tensor b".
+    _, want = _ema_outputs(0, 2, False)
+    for refused, outputs in run_ranks(_ema_outputs, 2, True):
+        assert "AveragedModel" in refused and "shard it too (sharc.shard(ema))" in refused
+        for got, expected in zip(outputs, want):
+            torch.testing.assert_close(got, expected)
+
+
 # -- a submodule converted to its own dtype inside forward ----------------------------
 class _ConvertsInForward(nn.Module):
     """HF's SwitchTransformers router does `self.classifier =
