@@ -44,7 +44,19 @@ def group_device(group) -> torch.device:
 
 
 def check_not_sharded(module: torch.nn.Module) -> None:
+    sharded_here = any(state_of(sub) is not None and state_of(sub).root is not None
+                       for sub in module.modules())
     for name, sub in module.named_modules():
+        if state_of(sub) is not None and not sharded_here:
+            # No root of a sharded model in this tree: `sub` is shared with
+            # a model sharded before (a common encoder of two models), whose
+            # shards and runtime records it belongs to.
+            raise RuntimeError(
+                f"sharc.shard(): this module's submodule '{name}' is part of another model "
+                "sharded before (a submodule shared between two models); a module's "
+                "parameters are sharded with one model only. Shard one root that holds both "
+                "models instead (e.g. sharc.shard(torch.nn.ModuleDict({'a': model_a, "
+                "'b': model_b})), before either is sharded)")
         if state_of(sub) is not None:
             where = f"its submodule '{name}'" if name else "it"
             nested = (" sharc gathers and releases per submodule by itself, so there is no "
