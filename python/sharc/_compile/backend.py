@@ -91,7 +91,8 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
 
 def _has_empty_input(example_inputs) -> bool:
     """[Note: a rank's empty batch]
-    Whether a tensor input has no elements (a rank whose batch has 0 rows).
+    Whether a tensor input other than a parameter (a zero-size parameter is
+    one on every rank) has no elements (a rank whose batch has 0 rows).
     Dynamo specializes a size of 0 even under dynamic=True, so that rank
     compiles a graph of its own, and Inductor's joint-graph constant folding
     (constant_fold_uniform_value) then replaces computations of 0 elements
@@ -101,7 +102,8 @@ def _has_empty_input(example_inputs) -> bool:
     that folding its graph reads every parameter the other ranks' graphs
     read, in the same order, so their collectives match. Only such graphs
     skip it; every other graph compiles (and is cached) as before."""
-    return any(isinstance(t, torch.Tensor) and isinstance(t.numel(), int) and t.numel() == 0
+    return any(isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+               and isinstance(t.numel(), int) and t.numel() == 0
                for t in example_inputs)
 
 
