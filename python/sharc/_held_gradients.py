@@ -35,7 +35,10 @@ def refuse_step_over_held(optimizer) -> None:
                 f"the gradient of '{names[0]}'{more}: no backward outside no_sync() has "
                 "reduced it, so the shards' .grad do not hold it yet. Run the last "
                 "micro-batch's backward outside no_sync(), or call zero_grad() to discard "
-                "what was accumulated")
+                "what was accumulated. no_sync(model) is its process group's setting: it "
+                "holds back the gradients of every model sharded over that group whose "
+                "backward runs inside it, not only the model given to it (run another "
+                "model's backward outside it)")
 
 
 def _wrap(cls, params_of) -> None:

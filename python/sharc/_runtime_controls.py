@@ -25,6 +25,9 @@ def no_sync(module: torch.nn.Module, enabled: bool = True, *, replicate_only: bo
     reduces the sum once. For gradient accumulation over N micro-batches:
     1/N of the reduce-scatter traffic, for one full-size gradient per
     parameter held between micro-batches. Every rank must use it alike.
+    It is the setting of `module`'s process group (its runtime's): another
+    model sharded over the same group whose backward runs inside is held
+    back too, so run such backward passes outside it.
     A parameter the synced backward does not reach (used by an earlier
     micro-batch only) has what it held reduced at that backward's end (a
     synced backward that reduces any gradient at all).

@@ -22,6 +22,14 @@ def check_group(group, who: str = "sharc") -> dist.ProcessGroup:
             f"{who} needs an initialized torch.distributed process group: call "
             "torch.distributed.init_process_group(...) first, or start the ranks with "
             "sharc.launch.launch(), `python -m sharc.train` or torchrun")
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group(ranks) returns on the ranks it leaves out: a
+        # caller that passes it on means this rank should not be here.
+        raise ValueError(
+            f"{who}: this rank (global rank {dist.get_rank()}) is not in the group: "
+            "torch.distributed.new_group(ranks) returns GroupMember.NON_GROUP_MEMBER on "
+            "every rank outside `ranks`. Make this call only on the group's ranks (the "
+            "other ranks need not call it and are not waited for)")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}: group must be a torch.distributed.ProcessGroup (or None for "
                         f"the default group), got {type(group).__name__}")
@@ -36,7 +44,19 @@ def group_device(group) -> torch.device:
 
 
 def check_not_sharded(module: torch.nn.Module) -> None:
+    sharded_here = any(state_of(sub) is not None and state_of(sub).root is not None
+                       for sub in module.modules())
     for name, sub in module.named_modules():
+        if state_of(sub) is not None and not sharded_here:
+            # No root of a sharded model in this tree: `sub` is shared with
+            # a model sharded before (a common encoder of two models), whose
+            # shards and runtime records it belongs to.
+            raise RuntimeError(
+                f"sharc.shard(): this module's submodule '{name}' is part of another model "
+                "sharded before (a submodule shared between two models); a module's "
+                "parameters are sharded with one model only. Shard one root that holds both "
+                "models instead (e.g. sharc.shard(torch.nn.ModuleDict({'a': model_a, "
+                "'b': model_b})), before either is sharded)")
         if state_of(sub) is not None:
             where = f"its submodule '{name}'" if name else "it"
             nested = (" sharc gathers and releases per submodule by itself, so there is no "

@@ -147,6 +147,20 @@ def _shard_problem(params: list[torch.Tensor], group) -> str | None:
     foreign = [i for i, t in enumerate(params) if t.untyped_storage().data_ptr() not in shards]
     if not foreign:
         return None
+    from sharc._torch_clip import SHARD_GROUP  # it imports this module
+
+    others = sorted({getattr(params[i], SHARD_GROUP) for i in foreign
+                     if hasattr(params[i], SHARD_GROUP)})
+    if others:
+        # Models sharded over different groups (one over the world, one over
+        # a subgroup) in one call: no one group's collective takes their norm.
+        return (f"{len(foreign)} of the {len(params)} parameters given are shards of "
+                f"another process group ({', '.join(repr(g) for g in others)}) than the "
+                f"others' ('{group.group_name}'): no one group's collective takes the norm of "
+                "parameters sharded over different groups. Clip each sharded model over its "
+                "own group (sharc.clip_grad_norm_(model_a, ...), sharc.clip_grad_norm_("
+                "model_b, ...)), or for one norm of both, combine the norms each returns "
+                "with max_norm=inf and scale the gradients yourself")
     t = params[foreign[0]]
     return (f"{len(foreign)} of the {len(params)} parameters given (the first: #{foreign[0]}, "
             f"shape {tuple(t.shape)}) are not shards of group '{group.group_name}': "

@@ -119,3 +119,37 @@ def test_torch_clipping_of_an_unsharded_module_is_torchs(sharded):
     ref_total, _, _ = _reference(2.0)
     for results in sharded:
         assert results["plain"] == pytest.approx(ref_total, rel=1e-6)
+
+
+def _clip_models_of_two_groups(rank, world):
+    import torch.distributed as dist
+
+    import sharc
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    sharc.shard(a)  # over the world
+    sharc.shard(b, pairs[rank // 2])  # over this rank's pair
+    b(a(torch.ones(2, 4) * (rank + 1))).pow(2).sum().backward()
+    errors = []
+    for clip in (torch.nn.utils.clip_grad_norm_, sharc.clip_grad_norm_):
+        try:
+            clip([*a.parameters(), *b.parameters()], 1.0)
+        except ValueError as e:
+            errors.append(str(e))
+    # The way out the error names; the ranks are still in step.
+    norms = [float(sharc.clip_grad_norm_(m, math.inf)) for m in (a, b)]
+    return errors, norms
+
+
+def test_parameters_of_models_sharded_over_two_groups_are_refused_naming_why():
+    # Before: "... are not shards of group '0' ... clip parameters that were
+    # not sharded separately, with torch.nn.utils.clip_grad_norm_", which is
+    # what the caller had called, on parameters that are shards.
+    for rank, (errors, norms) in enumerate(run_ranks(_clip_models_of_two_groups, 4)):
+        assert len(errors) == 2
+        for error in errors:
+            assert "2 of the 4 parameters given are shards of another process group" in error
+            assert "Clip each sharded model over its own group" in error
+        assert all(n > 0 for n in norms)

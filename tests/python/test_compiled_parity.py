@@ -3,6 +3,7 @@ like single-process training: 20 AdamW steps on 2 and 4 gloo ranks give the
 same losses (relative difference below 1e-5) and the same final parameters,
 with Inductor and with the scheduled graphs run as plain FX."""
 
+import copy
 import time
 
 import pytest
@@ -290,3 +291,66 @@ def test_local_gradient_terms_under_mixed_precision_match_eager():
         for name, want in eager[rank].items():
             torch.testing.assert_close(compiled[rank][name], want, rtol=1e-2, atol=1e-3,
                                        msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+# -- two models sharded over different groups in one process ------------------------
+def _over_two_groups(rank, world, whole):
+    import torch.distributed as dist
+
+    import sharc
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    torch.manual_seed(1)
+    b = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    sharc.shard(a)  # over the world
+    sharc.shard(b, pairs[rank // 2])  # over this rank's pair
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    if whole:
+        both = torch.compile(torch.nn.Sequential(a, b), backend="sharc")
+    else:
+        both = torch.nn.Sequential(torch.compile(a, backend="sharc"),
+                                   torch.compile(b, backend="sharc"))
+    try:
+        for step in range(2):
+            both(_pair_input(step, rank)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # the whole model's compile
+        return str(e)
+    return sharc.full_state_dict(a), sharc.full_state_dict(b)
+
+
+def _pair_input(step, rank):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def test_models_over_different_groups_compile_each_on_its_own():
+    # README: a graph reading parameters of two groups is refused, naming
+    # the way out; compiled model by model, a's gradient averages over the
+    # world and b's over each pair, as one process computing it so does.
+    for error in run_ranks(_over_two_groups, 4, True, timeout=300):
+        assert "parameters sharded over more than one process group; compile each " \
+               "sharded model separately" in error
+    results = run_ranks(_over_two_groups, 4, False, timeout=300)
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    torch.manual_seed(1)
+    b0 = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    bs = [b0, copy.deepcopy(b0)]
+    opt = torch.optim.SGD([*a.parameters(), *bs[0].parameters(), *bs[1].parameters()], lr=0.1)
+    for step in range(2):
+        for rank in range(4):  # a: mean over 4 ranks, b: over 2
+            loss = bs[rank // 2](a(_pair_input(step, rank))).pow(2).mean()
+            grads = torch.autograd.grad(loss, [*a.parameters(), *bs[rank // 2].parameters()])
+            for p, g, n in zip([*a.parameters(), *bs[rank // 2].parameters()], grads,
+                               [4] * 4 + [2] * 4):
+                p.grad = g / n if p.grad is None else p.grad + g / n
+        opt.step()
+        opt.zero_grad()
+    for rank, (got_a, got_b) in enumerate(results):
+        for name, want in a.state_dict().items():
+            torch.testing.assert_close(got_a[name], want)
+        for name, want in bs[rank // 2].state_dict().items():
+            torch.testing.assert_close(got_b[name], want)

@@ -426,6 +426,54 @@ def test_a_step_while_no_sync_holds_gradients_is_refused(mode):
         assert unchanged
 
 
+def _no_sync_beside_another_model(rank, world, inside):
+    import sharc
+
+    model, _ = _sharded("eager")
+    torch.manual_seed(1)
+    other = nn.Linear(6, 2)
+    sharc.shard(other)  # over the same group
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    x = batch(0, rank, world)[0]
+    with sharc.no_sync(model):
+        (model(x).pow(2).mean() / 2).backward()
+        if inside:  # held back too, until a backward outside no_sync
+            other(x).pow(2).mean().backward()
+    if not inside:
+        other(x).pow(2).mean().backward()
+    try:
+        other_opt.step()  # its own step, between the model's micro-batches
+    except RuntimeError as e:
+        return str(e)
+    (model(x * 0.5).pow(2).mean() / 2).backward()
+    opt.step()
+    return sharc.full_state_dict(model), sharc.full_state_dict(other)
+
+
+def test_no_sync_holds_back_another_model_of_its_group_and_the_refusal_says_so():
+    # Before, the refusal named only the other model's parameters and "run
+    # the last micro-batch's backward outside no_sync()", which the caller
+    # had done for the model given to it.
+    for error in run_ranks(_no_sync_beside_another_model, 2, True):
+        assert "holds back the gradient of 'weight' (and 1 more)" in error
+        assert "holds back the gradients of every model sharded over that group" in error
+    # The way out: the other model's backward outside no_sync, as one process.
+    model = make_net()
+    torch.manual_seed(1)
+    other = nn.Linear(6, 2)
+    opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    x = torch.cat([batch(0, r, 2)[0] for r in range(2)])
+    (model(x).pow(2).mean() / 2 + model(x * 0.5).pow(2).mean() / 2 +
+     other(x).pow(2).mean()).backward()
+    opt.step()
+    for got_model, got_other in run_ranks(_no_sync_beside_another_model, 2, False):
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(got_model[name], want)
+        for name, want in other.state_dict().items():
+            torch.testing.assert_close(got_other[name], want)
+
+
 # -- what code set on a parameter ----------------------------------------------------
 def _tagged_net():
     """Biases marked as Mamba marks its A_log and D (`_no_weight_decay`),
@@ -960,6 +1008,50 @@ def test_dtype_changes_and_deepcopy_after_shard_are_refused_before_changing_anyt
         assert "torch.bfloat16" in errors["bfloat16"]
         assert "deep-" in errors["deepcopy"] and "full_state_dict" in errors["deepcopy"]
         assert set(dtypes.values()) == {torch.float32}
+
+
+# -- an EMA copy (torch.optim.swa_utils.AveragedModel) ---------------------------------
+def _ema_outputs(rank, world, sharded):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    import sharc
+
+    model = make_net()
+    refused = None
+    if sharded:
+        sharc.shard(model)
+        try:
+            AveragedModel(model)  # deep-copies the sharded model
+        except RuntimeError as e:
+            refused = str(e)
+        model = make_net()
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))  # before shard()
+    if sharded:
+        sharc.shard(model)
+        sharc.shard(ema)  # the recipe the refusal names
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    for step in range(3):
+        x = batch(step, rank, world)[0] if sharded else torch.cat(
+            [batch(step, r, world)[0] for r in range(world)])
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model)
+        with torch.no_grad():
+            outputs.append(ema(torch.ones(2, x.size(1))))
+    return refused, outputs
+
+
+def test_an_ema_copy_is_refused_after_shard_and_trains_made_before_and_sharded_too():
+    # Before, the refusal said only "deep-copy the model before shard()":
+    # an AveragedModel made so but left whole failed at update_parameters
+    # with torch's "The size of tensor a (8) must match the size of tensor b".
+    _, want = _ema_outputs(0, 2, False)
+    for refused, outputs in run_ranks(_ema_outputs, 2, True):
+        assert "AveragedModel" in refused and "shard it too (sharc.shard(ema))" in refused
+        for got, expected in zip(outputs, want):
+            torch.testing.assert_close(got, expected)
 
 
 # -- a submodule converted to its own dtype inside forward ----------------------------

@@ -217,6 +217,62 @@ def test_ranks_with_size_one_inputs_beside_larger_ones_compiled():
                                        msg=lambda m: f"rank {rank} param {name}: {m}")
 
 
+# Each rank's batch, step by step: a rank left with no rows (a dataset
+# split by hand whose last batches run out on one rank) beside one that has
+# some. Every rank runs every step, and the loss is each rank's sum over the
+# global count of rows (times the world size, which the gradient average
+# divides out), so a rank with no rows adds nothing, as in one process.
+EMPTY = ((4, 4), (3, 0), (2, 0))
+
+
+def _empty_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 12, (EMPTY[step][rank], 3), generator=g)
+
+
+def _empty_runs(rank, world):
+    import sharc
+
+    model = _encoder()
+    sharc.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    fn = torch.compile(model, backend="sharc")
+    losses = []
+    for step in range(len(EMPTY)):
+        x = _empty_batch(step, rank)
+        loss = F.cross_entropy(fn(x).flatten(0, 1), x.flatten(), reduction="sum")
+        loss = loss * world / (sum(EMPTY[step]) * x.size(1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item() / world)
+    return losses, gathered_beyond_kept(), sharc.full_state_dict(model)
+
+
+def test_a_rank_with_an_empty_batch_beside_others_compiled():
+    # Before, the rank with 0 rows compiled a graph of its own (Dynamo
+    # specializes a size of 0), in which Inductor's constant folding had
+    # dropped the attention's in_proj_bias: it gathered one parameter fewer
+    # than rank 0 and "the ranks diverged" at step 1 ([Note: a rank's empty
+    # batch], sharc/_compile/backend.py).
+    results = run_ranks(_empty_runs, 2, timeout=600)
+    model = _encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(len(EMPTY)):
+        x = torch.cat([_empty_batch(step, r) for r in range(2)])
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got = sum(losses[step] for losses, _, _ in results)
+        assert abs(got - loss.item()) <= 1e-4 * abs(got) + 1e-5, (step, got, loss.item())
+    for rank, (_, left, params) in enumerate(results):
+        assert left == 0
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+
+
 def _llama_runs(rank, world, checkpointing, group):
     return _train_sharded(rank, world, lambda: _HFLoss(_llama(checkpointing)), "compiled",
                           group)

@@ -251,6 +251,63 @@ def _shard_misuse(rank, world):
     return errors
 
 
+def _shard_over_a_group_without_this_rank(rank, world):
+    import torch.distributed as dist
+
+    import sharc
+
+    only_rank_0 = dist.new_group([0])  # every rank creates it; rank 1 is not in it
+    try:
+        sharc.shard(torch.nn.Linear(3, 3), only_rank_0)
+        return None
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_shard_over_a_group_without_this_rank_names_why():
+    # Before: "group must be a torch.distributed.ProcessGroup ..., got int"
+    # (GroupMember.NON_GROUP_MEMBER is -100), which hid the cause.
+    inside, outside = run_ranks(_shard_over_a_group_without_this_rank, 2, timeout=120)
+    assert inside is None
+    assert outside == (
+        "ValueError", "sharc: this rank (global rank 1) is not in the group: "
+        "torch.distributed.new_group(ranks) returns GroupMember.NON_GROUP_MEMBER on every "
+        "rank outside `ranks`. Make this call only on the group's ranks (the other ranks "
+        "need not call it and are not waited for)")
+
+
+def _shard_two_models_sharing_a_submodule(rank, world):
+    import sharc
+
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(4, 4)
+    a = torch.nn.Sequential(encoder, torch.nn.Linear(4, 2))
+    b = torch.nn.Sequential(encoder, torch.nn.Linear(4, 3))
+    sharc.shard(a)
+    try:
+        sharc.shard(b)
+    except RuntimeError as e:
+        shared = str(e)
+    both = torch.nn.ModuleDict({"a": torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                                "b": torch.nn.Linear(4, 3)})
+    both["b"] = torch.nn.Sequential(both["a"][0], both["b"])  # the shared encoder
+    sharc.shard(both)  # the way out the error names
+    return shared, both["b"](torch.ones(1, 4)).shape
+
+
+def test_shard_of_a_model_sharing_a_submodule_with_a_sharded_one_names_the_way_out():
+    # Before, the error said the submodule was sharded and to call shard()
+    # on the root module only, which the caller had done.
+    for shared, shape in run_ranks(_shard_two_models_sharing_a_submodule, 2, timeout=120):
+        assert shared == (
+            "sharc.shard(): this module's submodule '0' is part of another model sharded "
+            "before (a submodule shared between two models); a module's parameters are "
+            "sharded with one model only. Shard one root that holds both models instead "
+            "(e.g. sharc.shard(torch.nn.ModuleDict({'a': model_a, 'b': model_b})), before "
+            "either is sharded)")
+        assert shape == (1, 3)
+
+
 def test_shard_misuse():
     for errors in run_ranks(_shard_misuse, 2, timeout=120):
         for dtype in ("torch.float32", "torch.bfloat16"):

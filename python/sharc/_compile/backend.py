@@ -106,11 +106,30 @@ def _compile_with_inductor(gm, example_inputs, compilation: fx_pipeline.Compilat
     # buffers: it hoisted every start_gather (inputs: shards only) to the top
     # of a graph, gathering the whole model at once; sharc's passes order them.
     settings = dict(mode_settings, joint_custom_post_pass=joint_pass,
-                    reorder_for_peak_memory=False, autotune_local_cache=False)
+                    reorder_for_peak_memory=False, autotune_local_cache=False,
+                    joint_graph_constant_folding=not _has_empty_input(example_inputs))
     with inductor_config.patch(settings), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
     return in_pass_order(compiled, forward_groups, compilation.config)
+
+
+def _has_empty_input(example_inputs) -> bool:
+    """[Note: a rank's empty batch]
+    Whether a tensor input other than a parameter (a zero-size parameter is
+    one on every rank) has no elements (a rank whose batch has 0 rows).
+    Dynamo specializes a size of 0 even under dynamic=True, so that rank
+    compiles a graph of its own, and Inductor's joint-graph constant folding
+    (constant_fold_uniform_value) then replaces computations of 0 elements
+    with `full`, dropping their reads of gathered parameters (an attention
+    layer's in_proj_bias): that rank's forward gathered fewer parameters than
+    the others' and the ranks diverged at their first all-gather. Without
+    that folding its graph reads every parameter the other ranks' graphs
+    read, in the same order, so their collectives match. Only such graphs
+    skip it; every other graph compiles (and is cached) as before."""
+    return any(isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+               and isinstance(t.numel(), int) and t.numel() == 0
+               for t in example_inputs)
 
 
 def _keyed_settings(settings: dict, kind: str, graph: fx.Graph) -> dict:

@@ -124,10 +124,19 @@ def _apply(module: torch.nn.Module, fn, recurse: bool = True):
 
 
 def refuse_deepcopy(what: str):
+    # The usual deep copy of a model in training is an EMA or SWA copy
+    # (AveragedModel deep-copies in its constructor). A copy made before
+    # shard() and left whole fails at its first update_parameters(model),
+    # with torch's size mismatch between a full tensor and a shard; sharded
+    # too, its parameters are shards of the same layout, which those
+    # element-wise updates average exactly.
     raise RuntimeError(
         f"sharc: a sharded module ({what}) cannot be deep-copied: its parameters are shards "
         "owned by the process group's runtime. Deep-copy the model before sharc.shard(), or "
-        "build a fresh model and load sharc.full_state_dict(model) into it")
+        "build a fresh model and load sharc.full_state_dict(model) into it. For an EMA or "
+        "SWA copy (torch.optim.swa_utils.AveragedModel(model), timm's ModelEma), make it "
+        "before sharc.shard(model) and shard it too (sharc.shard(ema)), so that its "
+        "parameters are shards of the same layout as the model's")
 
 
 def _setattr(module: torch.nn.Module, name: str, value) -> None:
