@@ -151,8 +151,8 @@ def _short(kwargs: dict) -> str:
 _DRAW = re.compile(
     r"\btorch\.(randn|rand|randint|randperm|normal|bernoulli|multinomial)\s*\("
     r"|\.(normal_|uniform_|bernoulli_|random_|exponential_|cauchy_|log_normal_|geometric_)\s*\("
-    r"|\binit\.(normal|uniform|trunc_normal|kaiming_normal|kaiming_uniform|xavier_normal"
-    r"|xavier_uniform|orthogonal|sparse)_\s*\(")
+    r"|(?<![\w.])(?:init\.)?(normal|uniform|trunc_normal|kaiming_normal|kaiming_uniform"
+    r"|xavier_normal|xavier_uniform|orthogonal|sparse)_\s*\(")  # bare: `from torch.nn.init import`
 
 
 def draw_in_init(module: torch.nn.Module) -> str | None:

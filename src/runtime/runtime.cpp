@@ -1169,7 +1169,9 @@ void Runtime::check_shard(int64_t id, const at::Tensor& shard) {
                 ") came back from the forward's saved tensors as ", shard.numel(),
                 " elements of ", shard.scalar_type(), ", not the ", p.shard.numel(),
                 " elements of ", p.shard.scalar_type(), " saved: a saved_tensors_hooks "
-                "unpack must return what its pack was given (same size and dtype)");
+                "unpack must return what its pack was given (same size and dtype), and "
+                "the shard's .data must not be replaced between forward and backward "
+                "(write into it in place instead)");
     return;
   }
   SHARC_CHECK(shard.storage().is_alias_of(p.shard.storage()), "sharc: the tensor passed "

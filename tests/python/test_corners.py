@@ -955,9 +955,13 @@ def _decay_group_warnings(rank, world):
     sharc.shard(model)
     plain = make_net()
     warned = {}
+    head = torch.nn.Linear(3, 2)  # unsharded, beside the sharded model
+    undecayed_backbone = [{"params": list(model.parameters()), "weight_decay": 0.0},
+                          {"params": list(head.parameters()), "weight_decay": 0.1}]
     for name, net, groups in (("by dim, sharded", model, _groups_by_dim),
                               ("by name, sharded", model, _groups_by_name),
-                              ("by dim, unsharded", plain, _groups_by_dim)):
+                              ("by dim, unsharded", plain, _groups_by_dim),
+                              ("a decayed unsharded head", model, lambda _: undecayed_backbone)):
         opt = torch.optim.AdamW(groups(net), lr=1e-3)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -973,7 +977,8 @@ def test_weight_decay_groups_chosen_by_the_dimension_of_shards_are_warned_of():
     """nanoGPT's and timm's groups (`p.dim() >= 2` decayed) put every flat
     shard in the group without decay: training silently ran with none. Now
     the first step warns, naming a matrix left undecayed and to choose by
-    name; groups chosen by name, and unsharded models, are not warned of."""
+    name; groups chosen by name, unsharded models, and a sharded backbone
+    left undecayed beside a decayed unsharded head are not warned of."""
     for warned in run_ranks(_decay_group_warnings, 2):
         (message,) = warned["by dim, sharded"]
         assert message.startswith(
@@ -981,6 +986,7 @@ def test_weight_decay_groups_chosen_by_the_dimension_of_shards_are_warned_of():
             "or more dimensions is decayed ('"), message
         assert "Choose the groups from model.named_parameters() by name" in message
         assert warned["by name, sharded"] == [] and warned["by dim, unsharded"] == []
+        assert warned["a decayed unsharded head"] == []
 
 
 # -- dtype and device changes, deep copies after shard() ------------------------------

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.init import normal_
 
 from dist_harness import run_ranks
 from models import global_batch, rank_slice
@@ -621,7 +622,17 @@ class _DrawnTokenRoot(_TokenRoot):
         super().__init__(table=torch.randn(1, 5, 8) * .02)
 
 
-TOKEN_ROOTS = {"zeros": _TokenRoot, "drawn": _DrawnTokenRoot}
+class _BareDrawnTokenRoot(_TokenRoot):
+    """The same drawn in place by an init function imported bare (DETR's
+    `from torch.nn.init import normal_`)."""
+
+    def __init__(self):
+        table = torch.empty(1, 5, 8)
+        normal_(table, std=.02)
+        super().__init__(table=table)
+
+
+TOKEN_ROOTS = {"zeros": _TokenRoot, "drawn": _DrawnTokenRoot, "bare": _BareDrawnTokenRoot}
 
 
 def _token_roots(rank, world):
@@ -639,9 +650,9 @@ def test_a_root_writing_its_own_parameters_in_its_apply_loop_is_initialised_by_i
     for out in run_ranks(_token_roots, 2):
         assert _differing(out)["zeros"] == []
         assert out["zeros"]["warned"] == []
-        (message,) = out["drawn"]["warned"]
-        assert "module '' (_DrawnTokenRoot) draws random numbers in its __init__" in message, \
-            message
+        for name, cls in (("drawn", "_DrawnTokenRoot"), ("bare", "_BareDrawnTokenRoot")):
+            (message,) = out[name]["warned"]
+            assert f"module '' ({cls}) draws random numbers in its __init__" in message, message
         # Every value init_fn writes without drawing is the normal build's;
         # the drawn ones differ, as the warning says.
         differ = _differing(out)["drawn"]

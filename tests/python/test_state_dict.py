@@ -57,6 +57,11 @@ def _writes_into_state_dict_values(rank, world):
         foreach_error = "no error"
     except RuntimeError as e:
         foreach_error = str(e)
+    # The copies as the source of a foreach write into tensors of the
+    # caller's own (an EMA kept unsharded) stay allowed.
+    own = [torch.zeros_like(v) for v in model.state_dict().values()]
+    torch._foreach_lerp_(own, list(model.state_dict().values()), 0.5)
+    foreach_error += " | own: " + str([type(t).__name__ for t in own])
     unchanged = all(torch.equal(v, before[k]) for k, v in sharc.full_state_dict(ema).items())
     buffer = io.BytesIO()
     torch.save(ema.state_dict(), buffer)  # a file of plain tensors, loadable without sharc
@@ -77,6 +82,7 @@ def test_an_in_place_write_to_a_state_dict_value_raises():
         assert error.startswith("sharc: 'weight' read outside forward is a copy of the "
                                 "sharded parameter; copy_ on it would change the copy only"), error
         assert "sharc.unsharded(model, writeback=True)" in error
+        assert foreach_error.endswith(" | own: ['Tensor', 'Tensor']"), foreach_error
         assert foreach_error.startswith(
             "sharc: 'weight' read outside forward is a copy of the sharded parameter; "
             "_foreach_lerp_ on it would change the copy only"), foreach_error

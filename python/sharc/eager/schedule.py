@@ -337,7 +337,8 @@ class OutsideForwardCopy(torch.Tensor):
         if name.startswith("_foreach_") and name.endswith("_"):
             # torch._foreach_lerp_(ema.state_dict().values(), ...) (timm's
             # ModelEmaV3) writes every tensor of its first list.
-            in_place, target = True, _first_copy_among(cls, target)
+            written = args[0] if args else (kwargs or {}).get("self")
+            in_place, target = True, _first_copy_among(cls, written)
         if isinstance((kwargs or {}).get("out"), cls):  # torch.eye(n, out=w): a write too
             in_place, target = True, kwargs["out"]
         if isinstance(target, cls) and _sets_requires_grad(func, name):
