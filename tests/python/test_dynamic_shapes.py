@@ -179,7 +179,10 @@ def _ones_loss(fn, step: int, rank: int):
     return F.cross_entropy(fn(x).flatten(0, 1), x.flatten())
 
 
-def _size_one_runs(rank, world):
+def _compiled_encoder_runs(steps: int, loss_of):
+    """The encoder sharded and compiled, trained `steps` SGD steps on
+    `loss_of(fn, step)` -> (loss to differentiate, the value to record):
+    recorded losses, gathered bytes left, final full parameters."""
     import sharc
 
     model = _encoder()
@@ -187,13 +190,21 @@ def _size_one_runs(rank, world):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     fn = torch.compile(model, backend="sharc")
     losses = []
-    for step in range(len(ONES)):
-        loss = _ones_loss(fn, step, rank)
+    for step in range(steps):
+        loss, recorded = loss_of(fn, step)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(recorded)
     return losses, gathered_beyond_kept(), sharc.full_state_dict(model)
+
+
+def _size_one_runs(rank, world):
+    def loss_of(fn, step):
+        loss = _ones_loss(fn, step, rank)
+        return loss, loss.item()
+
+    return _compiled_encoder_runs(len(ONES), loss_of)
 
 
 def test_ranks_with_size_one_inputs_beside_larger_ones_compiled():
@@ -231,22 +242,13 @@ def _empty_batch(step: int, rank: int):
 
 
 def _empty_runs(rank, world):
-    import sharc
-
-    model = _encoder()
-    sharc.shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    fn = torch.compile(model, backend="sharc")
-    losses = []
-    for step in range(len(EMPTY)):
+    def loss_of(fn, step):
         x = _empty_batch(step, rank)
         loss = F.cross_entropy(fn(x).flatten(0, 1), x.flatten(), reduction="sum")
         loss = loss * world / (sum(EMPTY[step]) * x.size(1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item() / world)
-    return losses, gathered_beyond_kept(), sharc.full_state_dict(model)
+        return loss, loss.item() / world
+
+    return _compiled_encoder_runs(len(EMPTY), loss_of)
 
 
 def test_a_rank_with_an_empty_batch_beside_others_compiled():
