@@ -199,6 +199,16 @@ def _compiled_encoder_runs(steps: int, loss_of):
     return losses, gathered_beyond_kept(), sharc.full_state_dict(model)
 
 
+def _assert_nothing_left_and_params_match(results, model):
+    """Each rank's (losses, gathered bytes left, full parameters) left
+    nothing gathered and ends at the one-process model's parameters."""
+    for rank, (_, left, params) in enumerate(results):
+        assert left == 0
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+
+
 def _size_one_runs(rank, world):
     def loss_of(fn, step):
         loss = _ones_loss(fn, step, rank)
@@ -221,11 +231,7 @@ def test_ranks_with_size_one_inputs_beside_larger_ones_compiled():
         opt.zero_grad()
         for rank, (losses, _, _) in enumerate(results):
             assert abs(losses[step] - per_rank[rank].item()) <= 1e-4 * abs(losses[step]) + 1e-5
-    for rank, (_, left, params) in enumerate(results):
-        assert left == 0
-        for name, want in model.state_dict().items():
-            torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+    _assert_nothing_left_and_params_match(results, model)
 
 
 # Each rank's batch, step by step: a rank left with no rows (a dataset
@@ -268,11 +274,7 @@ def test_a_rank_with_an_empty_batch_beside_others_compiled():
         opt.zero_grad()
         got = sum(losses[step] for losses, _, _ in results)
         assert abs(got - loss.item()) <= 1e-4 * abs(got) + 1e-5, (step, got, loss.item())
-    for rank, (_, left, params) in enumerate(results):
-        assert left == 0
-        for name, want in model.state_dict().items():
-            torch.testing.assert_close(params[name], want, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"rank {rank} param {name}: {m}")
+    _assert_nothing_left_and_params_match(results, model)
 
 
 def _llama_runs(rank, world, checkpointing, group):
