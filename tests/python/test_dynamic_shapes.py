@@ -47,8 +47,11 @@ def _llama(checkpointing: bool):
                       max_position_embeddings=64, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg)
     if checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed it (the old name warns); both take the
+        # checkpoint's keyword arguments first.
+        enable = getattr(model, "activation_checkpointing_enable", None) \
+            or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     model.train()
     return model
 
