@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from sharc._torch_clip import SHARD_GROUP
+from sharc._shard_mark import SHARD_GROUP
 
 _MEMBER = "_sharc_member"  # on every module of a sharded model
 

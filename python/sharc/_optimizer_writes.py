@@ -22,6 +22,7 @@ import functools
 import torch
 
 from sharc._library import Runtime
+from sharc._shard_mark import SHARD_GROUP
 
 SHARD_PID = "_sharc_shard_pid"  # on a shard (nn.Parameter): its id in its group's runtime
 
@@ -34,8 +35,6 @@ def runtimes_of(params):
     """(runtime, ids) for each live group holding shards among `params`;
     other tensors are skipped, and so is a group destroyed since (nothing of
     it is gathered or held any more)."""
-    from sharc._torch_clip import SHARD_GROUP
-
     by_group = collections.defaultdict(list)
     for p in params:
         pid = getattr(p, SHARD_PID, None)

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from sharc._torch_clip import SHARD_GROUP
+from sharc._shard_mark import SHARD_GROUP
 
 
 def _holds_a_shard(module: torch.nn.Module, tensor_name) -> bool:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from sharc import (_added_after_shard, _decay_groups, _held_gradients, _mesh,
-                   _optimizer_support, _optimizer_writes, _parametrize_removal, _torch_clip,
-                   _validate, compute_threads, mixed_precision)
+                   _optimizer_support, _optimizer_writes, _parametrize_removal, _shard_mark,
+                   _torch_clip, _validate, compute_threads, mixed_precision)
 from sharc._compile.recompile_room import ROOM as RECOMPILE_ROOM
 from sharc._library import Runtime
 from sharc._param_ref import ShardedParamRef
@@ -238,7 +238,7 @@ def _register(runtime, group_name: str, named, dtypes,
         # that build optimizer groups) goes on with it: optimizers are built
         # from the shards.
         vars(shard).update(vars(p))
-        _torch_clip.mark_shard(shard, group_name)
+        _shard_mark.mark_shard(shard, group_name)
         _optimizer_writes.mark_shard(shard, pid)
         _decay_groups.mark_shard(shard, tuple(p.shape), fqn)
         d = dtypes[p]

@@ -21,21 +21,13 @@ gives.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
+from sharc._shard_mark import LIVE_SHARDS, SHARD_GROUP
 from sharc._state import live_group
 from sharc.clip import as_norm_tensor, clip_grad_norm_ as sharc_clip
 from sharc.clip import _check_norm_args as check_norm_args, global_norm as sharc_norm
-
-SHARD_GROUP = "_sharc_shard_group"  # on a shard (nn.Parameter): its group's name
-_SHARDS: "weakref.WeakSet[torch.nn.Parameter]" = weakref.WeakSet()  # every live shard
-
-
-def mark_shard(shard: torch.nn.Parameter, group_name: str) -> None:
-    setattr(shard, SHARD_GROUP, group_name)
-    _SHARDS.add(shard)
 
 
 def install() -> None:
@@ -88,7 +80,7 @@ def _wrap_total_norm(torch_norm):
     @functools.wraps(torch_norm)
     def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        owners = {id(p.grad): p for p in list(_SHARDS) if p.grad is not None}
+        owners = {id(p.grad): p for p in list(LIVE_SHARDS) if p.grad is not None}
         shards = [owners.get(id(t)) for t in tensors]
         groups = sorted({getattr(p, SHARD_GROUP) for p in shards if p is not None})
         if not groups:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from sharc import _mesh, _validate
 from sharc._library import Runtime
+from sharc._shard_mark import SHARD_GROUP
 from sharc._state import sharded_root, unwrap_compiled
 
 
@@ -147,8 +148,6 @@ def _shard_problem(params: list[torch.Tensor], group) -> str | None:
     foreign = [i for i, t in enumerate(params) if t.untyped_storage().data_ptr() not in shards]
     if not foreign:
         return None
-    from sharc._torch_clip import SHARD_GROUP  # it imports this module
-
     others = sorted({getattr(params[i], SHARD_GROUP) for i in foreign
                      if hasattr(params[i], SHARD_GROUP)})
     if others:
