@@ -185,7 +185,7 @@ class CompileConfig:
     made a graph-broken mixture-of-experts model 0.49x-0.77x the lean
     rule's step (compiled 0.63x-0.98x eager, where the lean rule was 1.30x
     eager in 2 of 3 runs), and the GPT 0.75x-1.43x, at a higher peak:
-    bench/results/floor_targets.md. Either is raised to what a graph needs
+    bench/results/floor_history.md (today's standing: floor_targets.md). Either is raised to what a graph needs
     at least."""
 
     warn_graphs: int | None = 10
