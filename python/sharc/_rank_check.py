@@ -40,8 +40,10 @@ _WHAT = {OUTSIDE_READ: "a read of a sharded parameter outside forward",
          INIT_WEIGHTS: "sharc.init_weights"}
 _FIX = {OUTSIDE_READ: "Read it on every rank (and keep rank 0's value for logging), or read "
                       "this rank's shard (`named_parameters()`), which needs no other rank",
-        FULL_STATE_DICT: "Call it on every rank (and keep rank 0's result to save or log)",
-        LOAD_FULL_STATE_DICT: "Call it on every rank, with the same state dict",
+        FULL_STATE_DICT: "Call it on every rank with the same rank0_only (and keep rank 0's "
+                         "result to save or log)",
+        LOAD_FULL_STATE_DICT: "Call it on every rank, with the same state dict, or with "
+                              "from_rank0=True on every rank",
         UNSHARDED: "Enter it on every rank",
         MODULE_STATE_DICT: "Call it on every rank (and keep rank 0's result to save), or "
                            "save a sharded checkpoint with sharc.save_checkpoint",

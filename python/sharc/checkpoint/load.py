@@ -30,6 +30,7 @@ from sharc._init_unit import run_on_scratch
 from sharc._meta_buffers import MetaBuffers, has_reset_buffers
 from sharc._state import sharded_root, state_of, unwrap_compiled
 from sharc.checkpoint.load_sources import open_source
+from sharc.checkpoint.rank0_source import Rank0Source
 from sharc.checkpoint.state_dict_hooks import own_state_dict
 
 
@@ -48,19 +49,29 @@ class _Target:
     key: str | None = None
 
 
-def load(module: torch.nn.Module, given) -> None:
+# The rank check's value for a load from rank 0: no checksum (a 63-bit
+# hash, never negative) takes it, so a rank loading its own state dict while
+# another loads from rank 0 makes every rank raise.
+_FROM_RANK0 = -1
+
+
+def load(module: torch.nn.Module, given, from_rank0: bool = False) -> None:
     """sharc.load_full_state_dict (see its docstring in full_state_dict.py)."""
     root = sharded_root(module)
     model = unwrap_compiled(module)
-    source = open_source(given)
     targets = _targets(model, root)
+    if from_rank0:
+        source = _rank0_source(given, root, targets)
+    else:
+        source = open_source(given)
     _match(targets, source, _hf_init.converts_checkpoints(model))
     pending = root.pending_init
     buffers = MetaBuffers(model) if pending is not None else None
     if buffers is not None:
         _check_recomputable(buffers, model)
-    root.checks.agree(_rank_check.LOAD_FULL_STATE_DICT,
-                      value=source.fingerprint([t.key for t in targets]))
+    if not from_rank0:  # agreed on before rank 0 sent anything
+        root.checks.agree(_rank_check.LOAD_FULL_STATE_DICT,
+                          value=source.fingerprint([t.key for t in targets]))
     if buffers is not None:
         buffers.allocate(pending.device)
     _write(targets, source, model, root.group)
@@ -69,6 +80,21 @@ def load(module: torch.nn.Module, given) -> None:
         buffers.raise_without_values("sharc.load_full_state_dict")
         root.pending_init = None
         pending.finish()
+
+
+def _rank0_source(given, root, targets: list[_Target]) -> Rank0Source:
+    """The source of a load from rank 0, after every rank has agreed to
+    one (a rank check, so a rank that loads otherwise, or not at all, makes
+    every rank raise instead of waiting on rank 0's first broadcast)."""
+    if root.runtime.replicate_size() > 1:
+        raise ValueError("load_full_state_dict(from_rank0=True) is for flat sharding; under "
+                         "hybrid sharding every replica's shard group needs the values: pass "
+                         "the state dict or file on every rank (from_rank0=False)")
+    root.checks.agree(_rank_check.LOAD_FULL_STATE_DICT, "from rank 0", value=_FROM_RANK0)
+    # The group's collectives run on its shards' device (gloo: CPU, NCCL: CUDA).
+    device = next((t.ref.shard.device for t in targets if t.ref is not None),
+                  torch.device("cpu"))
+    return Rank0Source(given, root.group, device)
 
 
 def _targets(model, root) -> list[_Target]:
@@ -123,7 +149,7 @@ def _write(targets: list[_Target], source, model, group) -> None:
                 source.done_with(current[t.names[0]].nbytes)
                 continue
             lo, hi = owned_range(math.prod(t.shape), world, rank)
-            if hi > lo:
+            if hi > lo or source.collective:  # a rank owning nothing still joins in
                 t.ref.shard[:hi - lo].copy_(source.read_range(t.key, lo, hi))
             nbytes = (hi - lo) * t.ref.shard.element_size()
             source.done_with(nbytes)

@@ -20,6 +20,8 @@ from sharc._fingerprint import fingerprint
 class DictSource:
     """Full tensors in memory (the caller holds them)."""
 
+    collective = False  # reads are local (Rank0Source's are collectives)
+
     def __init__(self, state_dict: dict):
         self._sd = state_dict
 
@@ -111,6 +113,8 @@ class SafetensorsSource:
     """One or several safetensors files (a Hugging Face model directory, its
     `model.safetensors.index.json` naming the files), read one slice of one
     tensor at a time."""
+
+    collective = False
 
     def __init__(self, paths: list[str]):
         self._paths = paths
