@@ -42,11 +42,15 @@ def _name(func) -> str:
 
 class ShardsAsFull(TorchFunctionMode):
     """`full_of(tensor)` is the full tensor a shard stands for, or None for
-    any other tensor."""
+    any other tensor. With `full_grads`, `.grad` (read or set) is the full
+    tensor's too: sharc.unsharded(with_grads=True) gives it the gathered
+    gradient."""
 
-    def __init__(self, full_of: Callable[[torch.Tensor], torch.Tensor | None]):
+    def __init__(self, full_of: Callable[[torch.Tensor], torch.Tensor | None],
+                 full_grads: bool = False):
         super().__init__()
         self.full_of = full_of
+        self.shards_own = _THE_SHARDS_OWN - {"grad"} if full_grads else _THE_SHARDS_OWN
 
     def _full(self, value):
         if isinstance(value, torch.Tensor):
@@ -57,7 +61,7 @@ class ShardsAsFull(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _name(func) not in _THE_SHARDS_OWN:
+        if _name(func) not in self.shards_own:
             args, kwargs = tree_map(self._full, (args, kwargs))
         return func(*args, **kwargs)
 

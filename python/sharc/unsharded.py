@@ -8,14 +8,14 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from sharc import _rank_check
+from sharc import _full_grads, _rank_check
 from sharc._fingerprint import fingerprint
 from sharc._shards_as_full import ShardsAsFull, shard_lookup
 from sharc._state import sharded_root, state_of, unwrap_compiled
 
 
 @contextlib.contextmanager
-def unsharded(module: torch.nn.Module, writeback: bool = False):
+def unsharded(module: torch.nn.Module, writeback: bool = False, with_grads: bool = False):
     """Inside, `module.<name>` is one full tensor per parameter, in the
     master dtype, the same tensor at every read (so `nn.init.*_`,
     `.copy_()`, `.data.fill_()` act on it); the shards that
@@ -31,46 +31,70 @@ def unsharded(module: torch.nn.Module, writeback: bool = False):
     Holds every full parameter at once (the whole model's bytes).
     Collective: every rank must enter and leave it alike (checked on entry:
     a rank that enters alone raises).
+
+    With `with_grads=True` each full parameter's `.grad` (and, in the loop
+    over `model.parameters()`, each shard's) is the whole averaged gradient,
+    gathered from the shards' gradients (None where no rank has one), to
+    read per-layer gradient norms or change gradients by their full shape;
+    changed gradients follow the same rule as parameters (written back to
+    the shards' `.grad` with writeback=True, else an error on exit). Holds
+    the model's gradient bytes too.
     """
-    if not isinstance(writeback, bool):
-        raise TypeError(f"sharc.unsharded: writeback must be a bool, got {writeback!r}")
+    for name, value in (("writeback", writeback), ("with_grads", with_grads)):
+        if not isinstance(value, bool):
+            raise TypeError(f"sharc.unsharded: {name} must be a bool, got {value!r}")
     root = sharded_root(module)
     root.require_values("sharc.unsharded was entered")
     schedule = state_of(unwrap_compiled(module)).schedule
     if schedule.unsharded is not None:
         raise RuntimeError("sharc.unsharded: this model is already inside sharc.unsharded()")
     refs = list(root.refs_by_shard.values())
-    root.checks.agree(_rank_check.UNSHARDED)
+    root.checks.agree(_rank_check.UNSHARDED, value=int(with_grads))
     with torch.no_grad():
         fulls = {ref.pid: root.runtime.read_full(ref.pid) for ref in refs}
+        if with_grads:
+            _full_grads.gather(refs, fulls, root.group)
     # By value, not version counter: writes through `.data` bump no counter.
-    before = {pid: fingerprint(t) for pid, t in fulls.items()}
+    before = {pid: _digest(t, with_grads) for pid, t in fulls.items()}
     schedule.unsharded = fulls
     pid_of = shard_lookup(refs)
     try:
         # model.parameters() still yields the shards: they stand for fulls.
-        with ShardsAsFull(lambda t: None if (pid := pid_of(t)) is None else fulls[pid]):
+        with ShardsAsFull(lambda t: None if (pid := pid_of(t)) is None else fulls[pid],
+                          full_grads=with_grads):
             yield module
     finally:
         schedule.unsharded = None
-    changed = [ref for ref in refs if fingerprint(fulls[ref.pid]) != before[ref.pid]]
+    after = {pid: _digest(t, with_grads) for pid, t in fulls.items()}
+    changed = [ref for ref in refs if after[ref.pid][0] != before[ref.pid][0]]
+    grads_changed = [ref for ref in refs if after[ref.pid][1] != before[ref.pid][1]]
     if writeback:
-        _check_same_changes(changed, fulls, root.group)
+        _check_same_changes([(ref.fqn, after[ref.pid][0]) for ref in changed]
+                            + [(ref.fqn + ".grad", after[ref.pid][1]) for ref in grads_changed],
+                            root.group)
         with torch.no_grad():
             for ref in changed:
                 root.runtime.load_full(ref.pid, fulls[ref.pid])
-    elif changed:
+            _full_grads.write_back(grads_changed, fulls, root.group)
+    elif changed or grads_changed:
+        what = (f"'{changed[0].fqn}'" if changed
+                else f"the gradient of '{grads_changed[0].fqn}'")
         raise RuntimeError(
-            f"sharc.unsharded: '{changed[0].fqn}' was changed inside "
+            f"sharc.unsharded: {what} was changed inside "
             "sharc.unsharded(model) without writeback=True; the change was discarded. "
             "Use `with sharc.unsharded(model, writeback=True):` to keep changes")
 
 
-def _check_same_changes(changed, fulls, group) -> None:
-    """One collective: every rank changed the same parameters to the same
-    values (a change made on one rank only would leave each rank's shard
-    from a different model)."""
-    mine = [(ref.fqn, fingerprint(fulls[ref.pid])) for ref in changed]
+def _digest(full: torch.Tensor, with_grads: bool) -> tuple:
+    """(the value's fingerprint, its gradient's or None)."""
+    grad = full.grad if with_grads else None
+    return fingerprint(full), None if grad is None else fingerprint(grad)
+
+
+def _check_same_changes(mine: list[tuple[str, int | None]], group) -> None:
+    """One collective: every rank changed the same parameters (and
+    gradients) to the same values (a change made on one rank only would
+    leave each rank's shard from a different model)."""
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):

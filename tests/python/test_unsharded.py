@@ -390,6 +390,9 @@ def test_writeback_must_be_a_bool():
     with pytest.raises(TypeError, match="writeback must be a bool"):
         with sharc.unsharded(nn.Linear(2, 2), writeback="yes"):
             pass
+    with pytest.raises(TypeError, match="with_grads must be a bool"):
+        with sharc.unsharded(nn.Linear(2, 2), with_grads=1):
+            pass
 
 
 class _WritesInForward(nn.Module):
@@ -445,3 +448,62 @@ def test_a_write_to_a_gathered_parameter_inside_forward_raises(how, mode, grad):
         if how == "embedding_max_norm":
             assert "max_norm" in message, message  # named, with the out-of-place way
         assert torch.equal(weight, initial)
+
+
+def _with_grads(rank, world):
+    import sharc
+
+    from models import global_batch, make_parity_model, rank_slice
+
+    model = make_parity_model()
+    sharc.shard(model)
+    x, y = global_batch(0, 6)
+    model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+    shard_grads = {n: None if p.grad is None else p.grad.clone()
+                   for n, p in model.named_parameters()}
+    with sharc.unsharded(model, with_grads=True):
+        by_loop = {n: None if p.grad is None else p.grad.clone()
+                   for n, p in model.named_parameters()}
+        by_attribute = model.temperature.grad.clone()
+    left_alone = {n: None if p.grad is None else p.grad.clone()
+                  for n, p in model.named_parameters()}
+    try:
+        with sharc.unsharded(model, with_grads=True):
+            model.lm_head.bias.grad.mul_(3)
+        unkept = None
+    except RuntimeError as e:
+        unkept = str(e)
+    with sharc.unsharded(model, writeback=True, with_grads=True):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(2)
+        model.temperature.grad = None
+    written = {n: None if p.grad is None else p.grad.clone()
+               for n, p in model.named_parameters()}
+    return shard_grads, by_loop, by_attribute, left_alone, unkept, written
+
+
+def test_with_grads_gives_the_whole_gradient_and_writes_changes_back():
+    from models import global_batch, make_parity_model, shard_of
+
+    reference = make_parity_model()
+    x, y = global_batch(0, 6)
+    reference(x, y).backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    assert want["wpe.weight"] is None  # frozen: None on every side
+    for rank, (shard_grads, by_loop, by_attribute, left_alone, unkept,
+               written) in enumerate(run_ranks(_with_grads, 3)):
+        assert by_loop.keys() == want.keys()
+        for name, grad in want.items():
+            if grad is None:
+                assert by_loop[name] is None and written[name] is None
+                continue
+            torch.testing.assert_close(by_loop[name], grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(left_alone[name], shard_grads[name], rtol=0, atol=0)
+            if name == "temperature":
+                assert written[name] is None
+            else:  # doubled inside, written back to this rank's slice
+                torch.testing.assert_close(written[name], 2 * shard_of(grad, rank, 3),
+                                           rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(by_attribute, want["temperature"], rtol=1e-5, atol=1e-6)
+        assert "the gradient of 'lm_head.bias'" in unkept and "writeback=True" in unkept

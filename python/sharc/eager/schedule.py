@@ -267,8 +267,10 @@ def _gradient_access_refused(copy: "OutsideForwardCopy", access: str) -> Runtime
         f"for this read, apart from what forward and backward use; {what} {effect}. The "
         "gradient lives on the shard the optimizer holds: "
         f"`dict(model.named_parameters())['{fqn}'].grad` is this rank's flat shard of the "
-        "averaged gradient (register gradient hooks on that shard), and "
-        "sharc.clip_grad_norm_(model, max_norm) returns the norm of the whole gradient")
+        "averaged gradient (register gradient hooks on that shard), "
+        "sharc.clip_grad_norm_(model, max_norm) returns the norm of the whole gradient, and "
+        "inside `with sharc.unsharded(model, with_grads=True):` (on every rank) "
+        f"`model.{fqn}.grad` is the whole gradient")
 
 
 def _sets_requires_grad(func, name: str) -> bool:

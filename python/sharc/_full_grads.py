@@ -1,0 +1,64 @@
+"""Full gradients for sharc.unsharded(with_grads=True): each shard's
+gradient gathered to its parameter's full shape, and written back to the
+shards on exit (writeback=True).
+
+A shard is the flat slice `_flat_chunks.owned_range` gives this rank of the
+parameter padded to W equal slices, and its `.grad` (the averaged gradient's
+slice, as the optimizer reads it) has the shard's shape, so an all-gather
+over the shard group, its W slices laid end to end, holds the full
+gradient in its first `numel` elements. Whether a parameter has a gradient is first
+agreed over the group (one all-reduce), so every rank gathers the same
+parameters in the same order; a rank without one (its `.grad` set to None by
+hand) sends zeros. Under hybrid sharding the replicas hold the same
+gradients, so the shard group alone is enough.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from sharc._flat_chunks import owned_range
+
+
+def gather(refs, fulls: dict, group) -> None:
+    """Gives each full tensor in `fulls` (by parameter id) the gathered
+    gradient of its shard as `.grad`, None where no rank has one."""
+    world = dist.get_world_size(group)
+    if not refs:
+        return
+    device = refs[0].shard.device
+    has = torch.tensor([ref.shard.grad is not None for ref in refs], dtype=torch.int32,
+                       device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    for ref, anyone_has in zip(refs, has.tolist()):
+        full = fulls[ref.pid]
+        if not anyone_has:
+            full.grad = None
+            continue
+        shard = ref.shard
+        mine = shard.grad if shard.grad is not None else torch.zeros_like(shard)
+        mine = mine.detach().reshape(-1).contiguous()
+        slices = [torch.empty_like(mine) for _ in range(world)]
+        if mine.numel() > 0:
+            dist.all_gather(slices, mine, group=group)
+        full.grad = torch.cat(slices)[:math.prod(ref.shape)].view(ref.shape).to(full.dtype)
+
+
+def write_back(refs, fulls: dict, group) -> None:
+    """Each shard's `.grad` becomes its slice of the full tensor's `.grad`
+    (None where that is None). No collective: every rank holds the same
+    full gradients (checked by the caller)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for ref in refs:
+        full_grad = fulls[ref.pid].grad
+        shard = ref.shard
+        if full_grad is None:
+            shard.grad = None
+            continue
+        lo, hi = owned_range(math.prod(ref.shape), world, rank)
+        grad = torch.zeros_like(shard)
+        grad.view(-1)[:hi - lo].copy_(full_grad.reshape(-1)[lo:hi])
+        shard.grad = grad
