@@ -71,11 +71,12 @@ class Rank0Source:
         else:
             value = torch.empty(self.shape(key), dtype=self.dtype(key), device=self._device)
         dist.broadcast(value, group=self._group, group_src=0)
+        if self._source is not None:  # rank 0 read the whole tensor, not a slice
+            self._source.done_with(value.nbytes)
         return value
 
     def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
         return self.read(key).reshape(-1)[lo:hi]
 
     def done_with(self, nbytes: int) -> None:
-        if self._source is not None:
-            self._source.done_with(nbytes)
+        """Told per read instead (read() knows the whole tensor's bytes)."""
