@@ -2,12 +2,10 @@
 gradient gathered to its parameter's full shape, and written back to the
 shards on exit (writeback=True).
 
-A shard is the flat slice `_flat_chunks.owned_range` gives this rank of the
-parameter padded to W equal slices, and its `.grad` (the averaged gradient's
-slice, as the optimizer reads it) has the shard's shape, so an all-gather
-over the shard group, its W slices laid end to end, holds the full
-gradient in its first `numel` elements. Whether a parameter has a gradient is first
-agreed over the group (one all-reduce), so every rank gathers the same
+Each shard's `.grad` (the averaged gradient's slice, as the optimizer
+reads it) is laid out like the shard (`_gather_flat.gather_full`). Whether
+a parameter has a gradient is first agreed over the group (one
+all-reduce), so every rank gathers the same
 parameters in the same order; a rank without one (its `.grad` set to None by
 hand) sends zeros. Under hybrid sharding the replicas hold the same
 gradients, so the shard group alone is enough.
@@ -21,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from sharc._flat_chunks import owned_range
+from sharc._gather_flat import gather_full
 
 
 def gather(refs, fulls: dict, group) -> None:
     """Gives each full tensor in `fulls` (by parameter id) the gathered
     gradient of its shard as `.grad`, None where no rank has one."""
-    world = dist.get_world_size(group)
     if not refs:
         return
     device = refs[0].shard.device
@@ -40,11 +38,7 @@ def gather(refs, fulls: dict, group) -> None:
             continue
         shard = ref.shard
         mine = shard.grad if shard.grad is not None else torch.zeros_like(shard)
-        mine = mine.detach().reshape(-1).contiguous()
-        slices = [torch.empty_like(mine) for _ in range(world)]
-        if mine.numel() > 0:
-            dist.all_gather(slices, mine, group=group)
-        full.grad = torch.cat(slices)[:math.prod(ref.shape)].view(ref.shape).to(full.dtype)
+        full.grad = gather_full(mine, ref.shape, group).to(full.dtype)
 
 
 def write_back(refs, fulls: dict, group) -> None:

@@ -621,3 +621,61 @@ def test_an_extra_json_cannot_hold_is_refused_on_every_rank_before_saving(tmp_pa
         assert "extra['rng'] (Tensor) is not" in raised, raised
         assert ".item() or .tolist()" in raised, raised
         assert extra == {"step": 1}
+
+
+# ---- full state dicts: gathered, on every rank or rank 0 only -------------
+
+def _full_state(rank, world):
+    import sharc
+
+    model, opt = _sharded_job()
+    _train(model, opt, rank, world, 2)
+    full_m, full_o = sharc.get_state_dict(model, opt, full=True)
+    on_rank0 = sharc.get_state_dict(model, opt, full=True, rank0_only=True, cpu_offload=True)
+    assembled = _local_state(model, opt)
+    # A fresh job loads the full dicts and trains on from there.
+    model2, opt2 = _sharded_job()
+    sharc.set_state_dict(model2, opt2, model_state_dict=full_m, optim_state_dict=full_o)
+    resumed = _train(model2, opt2, rank, world, 1, first_step=2)
+    mixed = None
+    try:
+        sharc.get_state_dict(model, opt, full=True, rank0_only=rank == 0)
+    except RuntimeError as e:
+        mixed = str(e)
+    return full_m, full_o, on_rank0, assembled, resumed, mixed
+
+
+def _plain_run(steps_before_load, full_m, full_o):
+    """One process: the same two steps, then the plain model loads the full
+    dicts through torch's set_state_dict and takes the third step."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set
+
+    plain = make_parity_model()
+    plain_opt = make_optimizer(plain.parameters())
+    torch_set(plain, plain_opt, model_state_dict=full_m, optim_state_dict=full_o)
+    x, y = global_batch(steps_before_load, 4)
+    loss = plain(x, y)
+    return loss.detach()
+
+
+def test_full_state_dict_is_torchs_unsharded_one_and_loads_into_sharc_and_torch():
+    results = run_ranks(_full_state, 2)
+    per_rank = [r[3] for r in results]
+    params, state = _assemble(per_rank)
+    state = {fqn: st for fqn, st in state.items() if st}  # frozen: no state, as in torch's
+    for rank, (full_m, full_o, on_rank0, _, resumed, mixed) in enumerate(results):
+        _assert_bitwise({k: full_m[k] for k in params}, params, "model")
+        _assert_bitwise(full_o["state"], state, "optimizer")
+        assert list(full_m) == list(make_parity_model().state_dict())  # keys and order
+        if rank == 0:
+            _assert_bitwise(on_rank0[0], full_m, "rank 0 model")
+            _assert_bitwise(on_rank0[1]["state"], full_o["state"], "rank 0 optimizer")
+        else:
+            assert on_rank0 == ({}, {})
+        assert "ranks disagree" in mixed
+    # Resumed from the full dicts, both ranks' third-step losses average to
+    # the plain model's after it loaded the same dicts through torch.
+    full_m, full_o = results[0][0], results[0][1]
+    want = _plain_run(2, full_m, full_o)
+    got = (results[0][4][0] + results[1][4][0]) / 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

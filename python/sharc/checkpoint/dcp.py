@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from sharc import _rank_check
+from sharc._gather_flat import gather_full
 from sharc._state import sharded_root, unwrap_compiled
 from sharc.checkpoint.sharded_view import copy_into_flat, scalar_view, sharded_view
 from sharc.checkpoint.state_dict_hooks import own_state_dict
@@ -59,7 +61,26 @@ class _Exporter:
                     s.copy_(v)
 
 
-def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+class _FullExporter:
+    """Gathers shard-laid-out tensors to their full shape instead (every rank
+    takes part in each gather), kept where `keeps`, on the CPU with
+    `cpu_offload`."""
+
+    def __init__(self, group, keeps: bool, cpu_offload: bool):
+        self.group, self.keeps, self.cpu_offload = group, keeps, cpu_offload
+
+    def value(self, flat: torch.Tensor, shape: tuple[int, ...]):
+        full = gather_full(flat, shape, self.group)
+        if not self.keeps:
+            return None
+        return full.cpu() if self.cpu_offload else full
+
+    def finish(self) -> None:
+        """Nothing is left to send: 0-dim values were gathered too."""
+
+
+def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                   full: bool = False, rank0_only: bool = False, cpu_offload: bool = False):
     """(model_state_dict, optim_state_dict) of a sharded model, ready for
     `dcp.save` and, built on a new job, as the target of `dcp.load`.
 
@@ -71,7 +92,23 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     (what torch's get_state_dict does too), so that a load has targets.
     Collective only if the model has 0-dim parameters (one small broadcast);
     call it on every rank. The model may be the module torch.compile returned.
+
+    With `full=True` every parameter and every shard-shaped optimizer tensor
+    is gathered to its full shape instead (plain tensors, the same keys):
+    what torch's get_state_dict gives for the model unsharded, loadable into
+    one (`torch.distributed.checkpoint.state_dict.set_state_dict`) or back
+    into sharc (`set_state_dict` takes full tensors). Collective, checked
+    (every rank must pass the same `full` and `rank0_only`). With
+    `rank0_only=True` only rank 0 of the model's group keeps them (the
+    others get `({}, {})` and hold one gathered tensor at a time); with
+    `cpu_offload=True` each gathered tensor is moved to the CPU.
     """
+    for name, flag in (("full", full), ("rank0_only", rank0_only), ("cpu_offload", cpu_offload)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"sharc.get_state_dict: {name} must be a bool, got {flag!r}")
+    if (rank0_only or cpu_offload) and not full:
+        raise ValueError("sharc.get_state_dict: rank0_only and cpu_offload apply to full=True "
+                         "(a sharded state dict is each rank's own shards)")
     model = unwrap_compiled(model)
     root = sharded_root(model)
     # A sharded checkpoint loads into a model that has values (its buffers
@@ -80,20 +117,29 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     # On a device the last collectives of a step may still be unsettled (their
     # headers on their way to the host): a divergence raises before a save.
     root.runtime.settle_all()
-    export = _Exporter(root.group)
+    if full:
+        root.checks.agree(_rank_check.FULL_STATE_DICT, "sharc.get_state_dict(full=True)",
+                          value=2 + int(rank0_only))  # 0 and 1: sharc.full_state_dict
+        keeps = not rank0_only or dist.get_rank(root.group) == 0
+        export = _FullExporter(root.group, keeps, cpu_offload)
+    else:
+        keeps = True
+        export = _Exporter(root.group)
     views: dict[int, object] = {}  # one value per shard, shared by tied names
     model_sd = {}
     for name, value in own_state_dict(model).items():
         ref = root.refs_by_shard.get(id(value))
         if ref is None:
-            model_sd[_clean(name)] = value.detach()
+            model_sd[_clean(name)] = value.detach().clone() if full else value.detach()
+            if cpu_offload:
+                model_sd[_clean(name)] = model_sd[_clean(name)].cpu()
             continue
         if ref.pid not in views:
             views[ref.pid] = export.value(ref.shard, ref.shape)
         model_sd[_clean(name)] = views[ref.pid]
     optim_sd = {} if optimizer is None else _optim_state_dict(optimizer, root, export)
     export.finish()
-    return model_sd, optim_sd
+    return (model_sd, optim_sd) if keeps else ({}, {})
 
 
 def _ref_of(root, p, where: str):
@@ -185,6 +231,12 @@ def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
             elif value is not target:
                 target.copy_(value)
     if optimizer is not None:
+        if not optimizer.state:
+            # A fresh optimizer: its state made first (lr 0), so that each
+            # loaded value finds the layout it takes. A 0-dim parameter's
+            # full exp_avg and a replicated step are both 0-dim tensors;
+            # only the current state tells which becomes a [1] shard.
+            _init_optimizer_state(optimizer)
         _load_optim(optimizer, by_fqn, optim_state_dict, root.group)
 
 
