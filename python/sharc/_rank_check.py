@@ -30,14 +30,15 @@ from sharc._fingerprint import fingerprint
 
 # What a rank is about to do, as the first element exchanged.
 (OUTSIDE_READ, FULL_STATE_DICT, LOAD_FULL_STATE_DICT, UNSHARDED, MODULE_STATE_DICT,
- MODULE_LOAD_STATE_DICT, INIT_WEIGHTS) = range(7)
+ MODULE_LOAD_STATE_DICT, INIT_WEIGHTS, GET_STATE_DICT) = range(8)
 _WHAT = {OUTSIDE_READ: "a read of a sharded parameter outside forward",
          FULL_STATE_DICT: "sharc.full_state_dict",
          LOAD_FULL_STATE_DICT: "sharc.load_full_state_dict",
          UNSHARDED: "sharc.unsharded",
          MODULE_STATE_DICT: "state_dict() of a sharded module",
          MODULE_LOAD_STATE_DICT: "load_state_dict() of a sharded module",
-         INIT_WEIGHTS: "sharc.init_weights"}
+         INIT_WEIGHTS: "sharc.init_weights",
+         GET_STATE_DICT: "sharc.get_state_dict"}
 _FIX = {OUTSIDE_READ: "Read it on every rank (and keep rank 0's value for logging), or read "
                       "this rank's shard (`named_parameters()`), which needs no other rank",
         FULL_STATE_DICT: "Call it on every rank with the same rank0_only (and keep rank 0's "
@@ -48,7 +49,8 @@ _FIX = {OUTSIDE_READ: "Read it on every rank (and keep rank 0's value for loggin
         MODULE_STATE_DICT: "Call it on every rank (and keep rank 0's result to save), or "
                            "save a sharded checkpoint with sharc.save_checkpoint",
         MODULE_LOAD_STATE_DICT: "Call it on every rank, with the same state dict",
-        INIT_WEIGHTS: "Call it on every rank, with the same init_fn"}
+        INIT_WEIGHTS: "Call it on every rank, with the same init_fn",
+        GET_STATE_DICT: "Call it on every rank with the same full and rank0_only"}
 
 
 class RankCheck:

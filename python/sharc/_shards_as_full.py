@@ -46,11 +46,24 @@ class ShardsAsFull(TorchFunctionMode):
     tensor's too: sharc.unsharded(with_grads=True) gives it the gathered
     gradient."""
 
+    # How many are entered: a torch function mode is process-wide state
+    # anyway, and code that must act on the shards themselves (clipping,
+    # an optimizer step) asks it to refuse inside one.
+    entered = 0
+
     def __init__(self, full_of: Callable[[torch.Tensor], torch.Tensor | None],
                  full_grads: bool = False):
         super().__init__()
         self.full_of = full_of
         self.shards_own = _THE_SHARDS_OWN - {"grad"} if full_grads else _THE_SHARDS_OWN
+
+    def __enter__(self):
+        ShardsAsFull.entered += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ShardsAsFull.entered -= 1
+        return super().__exit__(*exc)
 
     def _full(self, value):
         if isinstance(value, torch.Tensor):

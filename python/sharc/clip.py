@@ -32,6 +32,7 @@ import torch.distributed as dist
 from sharc import _mesh, _validate
 from sharc._library import Runtime
 from sharc._shard_mark import SHARD_GROUP
+from sharc._shards_as_full import ShardsAsFull
 from sharc._state import sharded_root, unwrap_compiled
 
 
@@ -144,6 +145,10 @@ def _shard_storages(group) -> set[int]:
 
 def _shard_problem(params: list[torch.Tensor], group) -> str | None:
     """What makes these parameters unfit for clipping over `group`, or None."""
+    if ShardsAsFull.entered:
+        return ("sharc.clip_grad_norm_() was called inside sharc.unsharded() (or an "
+                "initialiser sharc.init_weights() runs), where the shards stand for full "
+                "tensors; clip after the `with` block")
     shards = _shard_storages(group)
     foreign = [i for i, t in enumerate(params) if t.untyped_storage().data_ptr() not in shards]
     if not foreign:

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from sharc import _full_grads, _rank_check
 from sharc._fingerprint import fingerprint
@@ -38,7 +39,10 @@ def unsharded(module: torch.nn.Module, writeback: bool = False, with_grads: bool
     read per-layer gradient norms or change gradients by their full shape;
     changed gradients follow the same rule as parameters (written back to
     the shards' `.grad` with writeback=True, else an error on exit). Holds
-    the model's gradient bytes too.
+    the model's gradient bytes too. The gradients are those the shards hold:
+    inside sharc.no_sync(), before the backward that synchronizes, not yet
+    the whole gradient. An optimizer step or sharc.clip_grad_norm_() inside
+    sharc.unsharded() raises (step and clip after it).
     """
     for name, value in (("writeback", writeback), ("with_grads", with_grads)):
         if not isinstance(value, bool):
@@ -58,6 +62,8 @@ def unsharded(module: torch.nn.Module, writeback: bool = False, with_grads: bool
     before = {pid: _digest(t, with_grads) for pid, t in fulls.items()}
     schedule.unsharded = fulls
     pid_of = shard_lookup(refs)
+    no_steps = register_optimizer_step_pre_hook(
+        _refuse_steps_on({id(ref.shard) for ref in refs}))
     try:
         # model.parameters() still yields the shards: they stand for fulls.
         with ShardsAsFull(lambda t: None if (pid := pid_of(t)) is None else fulls[pid],
@@ -65,6 +71,7 @@ def unsharded(module: torch.nn.Module, writeback: bool = False, with_grads: bool
             yield module
     finally:
         schedule.unsharded = None
+        no_steps.remove()
     after = {pid: _digest(t, with_grads) for pid, t in fulls.items()}
     changed = [ref for ref in refs if after[ref.pid][0] != before[ref.pid][0]]
     grads_changed = [ref for ref in refs if after[ref.pid][1] != before[ref.pid][1]]
@@ -83,6 +90,18 @@ def unsharded(module: torch.nn.Module, writeback: bool = False, with_grads: bool
             f"sharc.unsharded: {what} was changed inside "
             "sharc.unsharded(model) without writeback=True; the change was discarded. "
             "Use `with sharc.unsharded(model, writeback=True):` to keep changes")
+
+
+def _refuse_steps_on(shard_ids: set[int]):
+    """An optimizer step pre-hook refusing a step over these shards: inside
+    sharc.unsharded() the step would act on the full tensors (with_grads:
+    and their full gradients) and make full-shaped optimizer state."""
+    def refuse(optimizer, args, kwargs):
+        if any(id(p) in shard_ids for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError("sharc.unsharded: optimizer.step() was called inside "
+                               "sharc.unsharded(), where the shards stand for full tensors; "
+                               "step after the `with` block")
+    return refuse
 
 
 def _digest(full: torch.Tensor, with_grads: bool) -> tuple:

@@ -633,29 +633,42 @@ def _full_state(rank, world):
     full_m, full_o = sharc.get_state_dict(model, opt, full=True)
     on_rank0 = sharc.get_state_dict(model, opt, full=True, rank0_only=True, cpu_offload=True)
     assembled = _local_state(model, opt)
-    # A fresh job loads the full dicts and trains on from there.
+    # A fresh job loads the full dicts and trains on from there: the second
+    # step's loss depends on the optimizer state loaded.
     model2, opt2 = _sharded_job()
     sharc.set_state_dict(model2, opt2, model_state_dict=full_m, optim_state_dict=full_o)
-    resumed = _train(model2, opt2, rank, world, 1, first_step=2)
-    mixed = None
-    try:
-        sharc.get_state_dict(model, opt, full=True, rank0_only=rank == 0)
-    except RuntimeError as e:
-        mixed = str(e)
-    return full_m, full_o, on_rank0, assembled, resumed, mixed
+    resumed = _train(model2, opt2, rank, world, 2, first_step=2)
+    mismatches = {}
+    for case, kwargs in (("rank0_only", dict(full=True, rank0_only=rank == 0)),
+                         ("full", dict(full=rank == 0))):
+        try:
+            sharc.get_state_dict(model, opt, **kwargs)
+            mismatches[case] = None
+        except RuntimeError as e:
+            mismatches[case] = str(e)
+    step_before = full_o["state"]["lm_head.bias"]["step"].clone()
+    _train(model, opt, rank, world, 1, first_step=2)  # the dict is a snapshot
+    return (full_m, full_o, on_rank0, assembled, resumed, mismatches,
+            bool(torch.equal(full_o["state"]["lm_head.bias"]["step"], step_before)))
 
 
-def _plain_run(steps_before_load, full_m, full_o):
-    """One process: the same two steps, then the plain model loads the full
-    dicts through torch's set_state_dict and takes the third step."""
+def _plain_run(full_m, full_o):
+    """One process: the plain model loads the full dicts through torch's
+    set_state_dict and trains steps 2 and 3 on the whole batch."""
     from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set
 
     plain = make_parity_model()
     plain_opt = make_optimizer(plain.parameters())
     torch_set(plain, plain_opt, model_state_dict=full_m, optim_state_dict=full_o)
-    x, y = global_batch(steps_before_load, 4)
-    loss = plain(x, y)
-    return loss.detach()
+    losses = []
+    for step in (2, 3):
+        x, y = global_batch(step, 4)
+        loss = plain(x, y)
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
 
 
 def test_full_state_dict_is_torchs_unsharded_one_and_loads_into_sharc_and_torch():
@@ -663,7 +676,7 @@ def test_full_state_dict_is_torchs_unsharded_one_and_loads_into_sharc_and_torch(
     per_rank = [r[3] for r in results]
     params, state = _assemble(per_rank)
     state = {fqn: st for fqn, st in state.items() if st}  # frozen: no state, as in torch's
-    for rank, (full_m, full_o, on_rank0, _, resumed, mixed) in enumerate(results):
+    for rank, (full_m, full_o, on_rank0, _, _, mismatches, snapshot) in enumerate(results):
         _assert_bitwise({k: full_m[k] for k in params}, params, "model")
         _assert_bitwise(full_o["state"], state, "optimizer")
         assert list(full_m) == list(make_parity_model().state_dict())  # keys and order
@@ -672,10 +685,13 @@ def test_full_state_dict_is_torchs_unsharded_one_and_loads_into_sharc_and_torch(
             _assert_bitwise(on_rank0[1]["state"], full_o["state"], "rank 0 optimizer")
         else:
             assert on_rank0 == ({}, {})
-        assert "ranks disagree" in mixed
-    # Resumed from the full dicts, both ranks' third-step losses average to
-    # the plain model's after it loaded the same dicts through torch.
-    full_m, full_o = results[0][0], results[0][1]
-    want = _plain_run(2, full_m, full_o)
-    got = (results[0][4][0] + results[1][4][0]) / 2
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for case, message in mismatches.items():
+            assert message is not None and "ranks disagree" in message, case
+        assert snapshot
+    # Resumed from the full dicts, the ranks' losses of steps 2 and 3 (the
+    # second after a step with the loaded optimizer state) average to the
+    # plain model's after it loaded the same dicts through torch.
+    want = _plain_run(results[0][0], results[0][1])
+    for step in (0, 1):
+        got = (results[0][4][step] + results[1][4][step]) / 2
+        torch.testing.assert_close(got, want[step], rtol=1e-5, atol=1e-6)

@@ -103,7 +103,26 @@ def _bad_calls(rank, world):
             model, rank0_only=rank == 0)),
         "not a bool": _attempt(lambda: sharc.full_state_dict(model, rank0_only="yes")),
     }
-    return outcomes, before, sharc.full_state_dict(model)
+    after = sharc.full_state_dict(model)
+    outcomes["read fails on rank 0"] = _attempt(lambda: sharc.load_full_state_dict(
+        model, _FailsOnRead(new, "lm_head.bias") if rank == 0 else None, from_rank0=True))
+    return outcomes, before, after
+
+
+class _FailsOnRead(dict):
+    """A state dict whose `key` can be checked (shape, dtype) but not read:
+    a file cut short after its header, as rank 0 meets it."""
+
+    def __init__(self, values, key):
+        super().__init__(values)
+        self.key, self.looks = key, 0
+
+    def __getitem__(self, key):
+        if key == self.key:
+            self.looks += 1
+            if self.looks > 3:  # check_tensor, shape and dtype, then the read
+                raise OSError(f"'{key}' could not be read")
+        return super().__getitem__(key)
 
 
 def test_bad_input_on_rank0_and_mixed_choices_raise_on_every_rank_and_change_nothing():
@@ -121,6 +140,11 @@ def test_bad_input_on_rank0_and_mixed_choices_raise_on_every_rank_and_change_not
             kind, message = outcomes[case]
             assert kind == "RuntimeError" and "ranks disagree" in message, (case, message)
         assert outcomes["not a bool"][0] == "TypeError"
+        kind, message = outcomes["read fails on rank 0"]
+        if rank == 0:
+            assert kind == "OSError"
+        else:
+            assert kind == "RuntimeError" and "rank 0 failed to read 'lm_head.bias'" in message
 
 
 def _hybrid(rank, world):

@@ -480,10 +480,22 @@ def _with_grads(rank, world):
         model.temperature.grad = None
     written = {n: None if p.grad is None else p.grad.clone()
                for n, p in model.named_parameters()}
-    return shard_grads, by_loop, by_attribute, left_alone, unkept, written
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    refused = {}
+    for what, act in (("step", opt.step),
+                      ("clip", lambda: sharc.clip_grad_norm_(model, 1.0)),
+                      ("get_state_dict", lambda: sharc.get_state_dict(model, opt))):
+        try:
+            with sharc.unsharded(model, with_grads=True):
+                act()
+            refused[what] = None
+        except (RuntimeError, ValueError) as e:
+            refused[what] = str(e)
+    refused["state made"] = bool(opt.state)
+    return shard_grads, by_loop, by_attribute, left_alone, unkept, written, refused
 
 
-def test_with_grads_gives_the_whole_gradient_and_writes_changes_back():
+def test_with_grads_gives_the_whole_gradient_writes_changes_back_and_refuses_steps_inside():
     from models import global_batch, make_parity_model, shard_of
 
     reference = make_parity_model()
@@ -492,7 +504,11 @@ def test_with_grads_gives_the_whole_gradient_and_writes_changes_back():
     want = {n: p.grad for n, p in reference.named_parameters()}
     assert want["wpe.weight"] is None  # frozen: None on every side
     for rank, (shard_grads, by_loop, by_attribute, left_alone, unkept,
-               written) in enumerate(run_ranks(_with_grads, 3)):
+               written, refused) in enumerate(run_ranks(_with_grads, 3)):
+        # Acting on the shards themselves inside raises, and changes nothing.
+        for what in ("step", "clip", "get_state_dict"):
+            assert refused[what] is not None and "inside sharc.unsharded()" in refused[what], what
+        assert not refused["state made"]
         assert by_loop.keys() == want.keys()
         for name, grad in want.items():
             if grad is None:

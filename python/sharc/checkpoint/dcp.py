@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from sharc import _rank_check
 from sharc._gather_flat import gather_full
-from sharc._state import sharded_root, unwrap_compiled
+from sharc._state import sharded_root, state_of, unwrap_compiled
 from sharc.checkpoint.sharded_view import copy_into_flat, scalar_view, sharded_view
 from sharc.checkpoint.state_dict_hooks import own_state_dict
 
@@ -41,6 +41,11 @@ class _Exporter:
     def __init__(self, group):
         self.group = group
         self.scalars: list[tuple[torch.Tensor, bool]] = []
+
+    def replicated(self, value):
+        """A value every rank holds alike (a buffer, AdamW's step): itself,
+        as DCP loads into it in place."""
+        return value
 
     def value(self, flat: torch.Tensor, shape: tuple[int, ...]):
         if shape:
@@ -69,6 +74,13 @@ class _FullExporter:
     def __init__(self, group, keeps: bool, cpu_offload: bool):
         self.group, self.keeps, self.cpu_offload = group, keeps, cpu_offload
 
+    def replicated(self, value):
+        """A copy (the dict is a snapshot, not the live state), or None where
+        nothing is kept."""
+        if not self.keeps or not isinstance(value, torch.Tensor):
+            return value if self.keeps else None
+        return value.detach().to("cpu", copy=True) if self.cpu_offload else value.detach().clone()
+
     def value(self, flat: torch.Tensor, shape: tuple[int, ...]):
         full = gather_full(flat, shape, self.group)
         if not self.keeps:
@@ -90,15 +102,17 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     With `optimizer=None` the second element is an empty dict. An optimizer
     that has not stepped yet gets its state created by one step with lr 0
     (what torch's get_state_dict does too), so that a load has targets.
-    Collective only if the model has 0-dim parameters (one small broadcast);
-    call it on every rank. The model may be the module torch.compile returned.
+    Collective: call it on every rank (the ranks check that they all did,
+    with the same options; 0-dim parameters add one small broadcast). Not
+    inside sharc.unsharded(). The model may be the module torch.compile
+    returned.
 
     With `full=True` every parameter and every shard-shaped optimizer tensor
     is gathered to its full shape instead (plain tensors, the same keys):
     what torch's get_state_dict gives for the model unsharded, loadable into
     one (`torch.distributed.checkpoint.state_dict.set_state_dict`) or back
-    into sharc (`set_state_dict` takes full tensors). Collective, checked
-    (every rank must pass the same `full` and `rank0_only`). With
+    into sharc (`set_state_dict` takes full tensors). Collective (every
+    rank must pass the same `full` and `rank0_only`: checked). With
     `rank0_only=True` only rank 0 of the model's group keeps them (the
     others get `({}, {})` and hold one gathered tensor at a time); with
     `cpu_offload=True` each gathered tensor is moved to the CPU.
@@ -117,9 +131,14 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     # On a device the last collectives of a step may still be unsettled (their
     # headers on their way to the host): a divergence raises before a save.
     root.runtime.settle_all()
+    if state_of(model).schedule.unsharded is not None:
+        raise RuntimeError("sharc.get_state_dict: called inside sharc.unsharded(), where the "
+                           "shards stand for full tensors; call it after the `with` block "
+                           "(sharc.full_state_dict(model) inside it gives the full tensors)")
+    # Every rank must choose alike: a full state dict gathers, a sharded one
+    # does not, and a rank waiting in a gather would hang.
+    root.checks.agree(_rank_check.GET_STATE_DICT, value=2 * int(full) + int(rank0_only))
     if full:
-        root.checks.agree(_rank_check.FULL_STATE_DICT, "sharc.get_state_dict(full=True)",
-                          value=2 + int(rank0_only))  # 0 and 1: sharc.full_state_dict
         keeps = not rank0_only or dist.get_rank(root.group) == 0
         export = _FullExporter(root.group, keeps, cpu_offload)
     else:
@@ -130,9 +149,8 @@ def get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     for name, value in own_state_dict(model).items():
         ref = root.refs_by_shard.get(id(value))
         if ref is None:
-            model_sd[_clean(name)] = value.detach().clone() if full else value.detach()
-            if cpu_offload:
-                model_sd[_clean(name)] = model_sd[_clean(name)].cpu()
+            if keeps:
+                model_sd[_clean(name)] = export.replicated(value.detach())
             continue
         if ref.pid not in views:
             views[ref.pid] = export.value(ref.shard, ref.shape)
@@ -178,7 +196,7 @@ def _export_state(value, ref, key: str, export: _Exporter):
     if _is_sharded_state(value, ref):
         return export.value(value, ref.shape)
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value  # replicated: identical on every rank
+        return export.replicated(value)  # identical on every rank
     raise ValueError(f"sharc.get_state_dict: optimizer state '{key}' of '{ref.fqn}' has shape "
                      f"{tuple(value.shape)}; sharc checkpoints hold state shaped like the "
                      f"parameter's shard {tuple(ref.shard.shape)} or 0-dim scalars")
@@ -231,13 +249,18 @@ def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
             elif value is not target:
                 target.copy_(value)
     if optimizer is not None:
-        if not optimizer.state:
-            # A fresh optimizer: its state made first (lr 0), so that each
-            # loaded value finds the layout it takes. A 0-dim parameter's
-            # full exp_avg and a replicated step are both 0-dim tensors;
-            # only the current state tells which becomes a [1] shard.
+        fresh = not optimizer.state
+        if fresh:
+            # Its state made first (lr 0), so that each loaded value finds
+            # the layout it takes: a 0-dim parameter's full exp_avg and a
+            # replicated step are both 0-dim tensors, and only the current
+            # state tells which becomes a [1] shard.
             _init_optimizer_state(optimizer)
         _load_optim(optimizer, by_fqn, optim_state_dict, root.group)
+        if fresh:  # a parameter with no saved state has none, as before the load
+            for fqn, ref in by_fqn.items():
+                if fqn not in optim_state_dict["state"]:
+                    optimizer.state.pop(ref.shard, None)
 
 
 def _check_model_keys(own: dict, given: dict, root) -> None:

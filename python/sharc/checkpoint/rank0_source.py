@@ -5,8 +5,9 @@ Rank 0 opens its state dict or file (load_sources.open_source) and sends
 every rank the names, shapes and dtypes first, or the error it met opening
 or checking them, which every rank then raises (rank 0 its own), so a bad
 path or a non-tensor value on rank 0 never leaves the others waiting. Then,
-tensor by tensor in the order the load writes them, rank 0 broadcasts the
-full value and each rank keeps its slice: a rank holds at most one full
+tensor by tensor in the order the load writes them, rank 0 broadcasts
+whether it could read the tensor (a failing read raises on every rank),
+then the full value, and each rank keeps its slice: a rank holds at most one full
 tensor beyond its shards, and the file need exist on rank 0's host only.
 A broadcast per tensor moves W - 1 copies of it where a scatter of slices
 would move one; a load runs once per job, and one collective kind for
@@ -66,9 +67,24 @@ class Rank0Source:
         return self._meta[key][1]
 
     def read(self, key: str) -> torch.Tensor:
+        value, failure = None, None
         if self._is_source:
-            value = self._source.read(key).to(self._device).contiguous()
-        else:
+            try:
+                value = self._source.read(key).to(self._device).contiguous()
+            except Exception as e:  # a file cut short after its header: tell the others
+                failure = e
+        # Whether rank 0 has the tensor, before the tensor itself, so that a
+        # read failing on rank 0 raises everywhere instead of leaving the
+        # others waiting in the broadcast.
+        ok = torch.tensor([failure is None], dtype=torch.int32, device=self._device)
+        dist.broadcast(ok, group=self._group, group_src=0)
+        if failure is not None:
+            raise failure
+        if not ok.item():
+            raise RuntimeError(f"load_full_state_dict(from_rank0=True): rank 0 failed to read "
+                               f"'{key}' (its error says why); the tensors before it were "
+                               "loaded, the rest not: load again")
+        if value is None:
             value = torch.empty(self.shape(key), dtype=self.dtype(key), device=self._device)
         dist.broadcast(value, group=self._group, group_src=0)
         if self._source is not None:  # rank 0 read the whole tensor, not a slice

@@ -269,8 +269,8 @@ def _gradient_access_refused(copy: "OutsideForwardCopy", access: str) -> Runtime
         f"`dict(model.named_parameters())['{fqn}'].grad` is this rank's flat shard of the "
         "averaged gradient (register gradient hooks on that shard), "
         "sharc.clip_grad_norm_(model, max_norm) returns the norm of the whole gradient, and "
-        "inside `with sharc.unsharded(model, with_grads=True):` (on every rank) "
-        f"`model.{fqn}.grad` is the whole gradient")
+        "inside `with sharc.unsharded(model, with_grads=True):` (on every rank) that "
+        "same `.grad` is the whole gradient")
 
 
 def _sets_requires_grad(func, name: str) -> bool:
