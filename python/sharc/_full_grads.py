@@ -13,13 +13,11 @@ gradients, so the shard group alone is enough.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from sharc._flat_chunks import owned_range
 from sharc._gather_flat import gather_full
+from sharc.checkpoint.sharded_view import copy_into_flat
 
 
 def gather(refs, fulls: dict, group) -> None:
@@ -45,14 +43,12 @@ def write_back(refs, fulls: dict, group) -> None:
     """Each shard's `.grad` becomes its slice of the full tensor's `.grad`
     (None where that is None). No collective: every rank holds the same
     full gradients (checked by the caller)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
     for ref in refs:
         full_grad = fulls[ref.pid].grad
         shard = ref.shard
         if full_grad is None:
             shard.grad = None
             continue
-        lo, hi = owned_range(math.prod(ref.shape), world, rank)
-        grad = torch.zeros_like(shard)
-        grad.view(-1)[:hi - lo].copy_(full_grad.reshape(-1)[lo:hi])
+        grad = torch.zeros_like(shard)  # the padding stays zero
+        copy_into_flat(full_grad, grad, ref.shape, group)
         shard.grad = grad

@@ -77,8 +77,10 @@ class _FullExporter:
     def replicated(self, value):
         """A copy (the dict is a snapshot, not the live state), or None where
         nothing is kept."""
-        if not self.keeps or not isinstance(value, torch.Tensor):
-            return value if self.keeps else None
+        if not self.keeps:
+            return None
+        if not isinstance(value, torch.Tensor):
+            return value
         return value.detach().to("cpu", copy=True) if self.cpu_offload else value.detach().clone()
 
     def value(self, flat: torch.Tensor, shape: tuple[int, ...]):
